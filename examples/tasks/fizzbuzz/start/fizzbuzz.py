@@ -1,0 +1,3 @@
+def fizzbuzz(n: int) -> list[str]:
+    """Return the FizzBuzz sequence for 1..n."""
+    raise NotImplementedError

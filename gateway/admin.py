@@ -1,0 +1,217 @@
+"""The admin API: create and finish rollouts, read their records, set the policy version.
+
+Every route needs the admin key; a rollout key is refused (invariant 6)."""
+
+from __future__ import annotations
+
+import uuid
+
+import msgspec
+from aiohttp import web
+
+from gateway.auth import check_admin, hash_key, new_rollout_key
+from gateway.finalize import merge_rollout
+from gateway.protocols.errors import GatewayError
+from gateway.services import Services
+from gateway.store import calls as calls_store
+from gateway.store import rollouts as rollouts_store
+from gateway.store import traces as traces_store
+
+routes = web.RouteTableDef()
+
+
+class NewRollout(msgspec.Struct, forbid_unknown_fields=True):
+    task_id: str | None = None
+    group_id: str | None = None
+    metadata: dict = {}
+    timeout_s: float | None = None
+
+
+class Finish(msgspec.Struct, forbid_unknown_fields=True):
+    reward: float | None
+    status: str = "finished"
+    metrics: dict | None = None
+
+
+class Policy(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
+
+
+def _decode(raw: bytes, kind: type):
+    try:
+        return msgspec.json.decode(raw or b"{}", type=kind)
+    except msgspec.ValidationError as exc:
+        raise GatewayError(400, f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise GatewayError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def _services(request: web.Request) -> Services:
+    svc: Services = request.app["services"]
+    check_admin(request.headers, svc.config.admin_key)
+    return svc
+
+
+def _rollout_id(request: web.Request) -> uuid.UUID:
+    try:
+        return uuid.UUID(request.match_info["rollout_id"])
+    except ValueError:
+        raise GatewayError(404, "no such rollout", "not_found_error") from None
+
+
+def _json(obj, status: int = 200) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(obj), status=status, content_type="application/json"
+    )
+
+
+@routes.post("/admin/rollouts")
+async def create_rollout(request: web.Request) -> web.Response:
+    svc = _services(request)
+    spec = _decode(await request.read(), NewRollout)
+    if spec.timeout_s is not None and spec.timeout_s <= 0:
+        raise GatewayError(400, "timeout_s must be positive", param="timeout_s")
+    rollout_id = uuid.uuid4()
+    key = new_rollout_key()
+    async with svc.pool.acquire() as conn:
+        await rollouts_store.create(
+            conn,
+            rollout_id,
+            hash_key(key),
+            spec.task_id,
+            spec.group_id,
+            spec.metadata,
+            spec.timeout_s if spec.timeout_s is not None else svc.config.rollout_timeout_s,
+        )
+    base = svc.config.public_url
+    return _json(
+        {
+            "rollout_id": str(rollout_id),
+            "api_key": key,
+            "openai_base_url": base + "/v1",
+            "anthropic_base_url": base,
+        },
+        status=201,
+    )
+
+
+async def _summary(svc: Services, rollout_id: uuid.UUID) -> dict:
+    async with svc.pool.acquire() as conn:
+        row = await rollouts_store.get(conn, rollout_id)
+        if row is None:
+            raise GatewayError(404, f"no rollout {rollout_id}", "not_found_error")
+        calls = await calls_store.rollout_calls(
+            conn, rollout_id, with_tokens=False, with_bodies=False
+        )
+    return {
+        "rollout_id": str(row["id"]),
+        "task_id": row["task_id"],
+        "group_id": row["group_id"],
+        "metadata": row["metadata"],
+        "status": row["status"],
+        "reward": row["reward"],
+        "metrics": row["metrics"],
+        "created_at": row["created_at"].isoformat(),
+        "finished_at": row["finished_at"] and row["finished_at"].isoformat(),
+        "harness": row["harness"],
+        "merge": row["merge_stats"]
+        and {"stats": row["merge_stats"], "options": row["merge_options"]},
+        "calls": calls,
+    }
+
+
+@routes.post("/admin/rollouts/{rollout_id}/finish")
+async def finish_rollout(request: web.Request) -> web.Response:
+    svc = _services(request)
+    rollout_id = _rollout_id(request)
+    spec = _decode(await request.read(), Finish)
+    if spec.status not in ("finished", "failed", "timeout"):
+        raise GatewayError(400, "status must be finished, failed or timeout", param="status")
+    async with svc.pool.acquire() as conn:
+        ended = await rollouts_store.finish(
+            conn, rollout_id, spec.status, spec.reward, spec.metrics
+        )
+    svc.keys.forget(rollout_id)
+    svc.recent.forget(rollout_id)
+    if ended:
+        await merge_rollout(svc.pool, rollout_id, svc.config.merge_options)
+    summary = await _summary(svc, rollout_id)
+    if not ended and (summary["status"], summary["reward"]) != (spec.status, spec.reward):
+        raise GatewayError(
+            409,
+            f"rollout already ended as {summary['status']} with reward "
+            f"{summary['reward']}; it cannot be finished again differently",
+            code="rollout_ended",
+        )
+    return _json(summary)
+
+
+@routes.get("/admin/rollouts/{rollout_id}")
+async def get_rollout(request: web.Request) -> web.Response:
+    svc = _services(request)
+    return _json(await _summary(svc, _rollout_id(request)))
+
+
+@routes.get("/admin/rollouts/{rollout_id}/calls")
+async def get_calls(request: web.Request) -> web.Response:
+    svc = _services(request)
+    rollout_id = _rollout_id(request)
+    with_bodies = request.query.get("bodies", "1") not in ("0", "false")
+    async with svc.pool.acquire() as conn:
+        if await rollouts_store.get(conn, rollout_id) is None:
+            raise GatewayError(404, f"no rollout {rollout_id}", "not_found_error")
+        calls = await calls_store.rollout_calls(
+            conn, rollout_id, with_tokens=True, with_bodies=with_bodies
+        )
+    return _json({"rollout_id": str(rollout_id), "calls": calls})
+
+
+@routes.post("/admin/policy")
+async def set_policy(request: web.Request) -> web.Response:
+    svc = _services(request)
+    spec = _decode(await request.read(), Policy)
+    async with svc.pool.acquire() as conn:
+        await rollouts_store.set_policy_version(conn, spec.version)
+    svc.policy_version = spec.version
+    return _json({"version": spec.version})
+
+
+@routes.get("/admin/policy")
+async def get_policy(request: web.Request) -> web.Response:
+    svc = _services(request)
+    return _json({"version": svc.policy_version})
+
+
+@routes.get("/admin/rollouts/{rollout_id}/traces")
+async def get_traces(request: web.Request) -> web.Response:
+    svc = _services(request)
+    rollout_id = _rollout_id(request)
+    async with svc.pool.acquire() as conn:
+        row = await rollouts_store.get(conn, rollout_id)
+        if row is None:
+            raise GatewayError(404, f"no rollout {rollout_id}", "not_found_error")
+        if row["merged_at"] is None:
+            raise GatewayError(
+                409,
+                f"rollout {rollout_id} is {row['status']} and not merged yet; traces "
+                "exist once it is finished (POST /admin/rollouts/{id}/finish)",
+                code="not_merged",
+            )
+        traces = await traces_store.fetch(conn, rollout_id)
+    return _json(
+        {
+            "rollout_id": str(rollout_id),
+            "sequences": [t.to_dict() for t in traces],
+            "stats": row["merge_stats"],
+            "options": row["merge_options"],
+        }
+    )
+
+
+@routes.get("/admin/metrics")
+async def get_metrics(request: web.Request) -> web.Response:
+    """Merge statistics per harness, for dashboards: how often each harness drifts."""
+    svc = _services(request)
+    async with svc.pool.acquire() as conn:
+        rows = await traces_store.harness_metrics(conn)
+    return _json({"harnesses": [dict(r) for r in rows], "policy_version": svc.policy_version})

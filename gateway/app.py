@@ -1,0 +1,190 @@
+"""The gateway's HTTP application: harness-facing routes, admin routes, health, and the
+middleware that turns every failure into the caller's protocol's error shape."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import asyncpg
+import msgspec
+from aiohttp import web
+
+from gateway import admin
+from gateway.config import GatewayConfig
+from gateway.finalize import merge_rollout
+from gateway.protocols import anthropic, chat, completions, openai_common, responses
+from gateway.protocols.errors import GatewayError
+from gateway.relay import relay, upstream_error
+from gateway.services import Services
+from gateway.store import rollouts as rollouts_store
+from gateway.store import traces as traces_store
+
+log = logging.getLogger(__name__)
+
+_SWEEP_INTERVAL_S = 5.0
+
+
+def _renderer(path: str):
+    """Errors on the Anthropic surface use Anthropic's shape, everything else OpenAI's."""
+    if path.startswith("/v1/messages"):
+        return anthropic.render_error
+    return openai_common.render_error
+
+
+@web.middleware
+async def protocol_errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except GatewayError as err:
+        status, body = _renderer(request.path)(err)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app["services"].config.max_body_bytes
+        status, body = _renderer(request.path)(
+            GatewayError(
+                413,
+                f"request body too large: over the limit of {limit} bytes; raise "
+                "the gateway's --max-body-mb if this is expected",
+                "request_too_large",
+            )
+        )
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        status, body = _renderer(request.path)(
+            GatewayError(
+                exc.status,
+                exc.reason or "error",
+                "not_found_error" if exc.status in (404, 405) else "invalid_request_error",
+            )
+        )
+    except Exception:  # noqa: BLE001 - a bug must still answer in the caller's protocol
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        status, body = _renderer(request.path)(
+            GatewayError(500, "internal gateway error; see the gateway log", "api_error")
+        )
+    return web.Response(status=status, body=body, content_type="application/json")
+
+
+def _model_route(proto):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        svc: Services = request.app["services"]
+        rollout_id = await svc.keys.rollout_for(request.headers)
+        raw = await request.read()
+        return await relay(request, proto, raw, rollout_id)
+
+    return handler
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """Anthropic's token counter, answered by the engine's own tokenizer and chat template."""
+    svc: Services = request.app["services"]
+    rollout_id = await svc.keys.rollout_for(request.headers)
+    req = anthropic.parse_count_tokens(await request.read())
+    body = anthropic.count_tokens_request(req)
+    model = req.body.model
+    await svc.check_model(model)
+    body["model"] = model
+    upstream = svc.upstreams.pick(rollout_id)
+    resp = await svc.upstreams.post(upstream, "/tokenize", msgspec.json.encode(body))
+    async with resp:
+        raw = await resp.read()
+        if resp.status != 200:
+            raise upstream_error(resp.status, raw)
+    return web.Response(
+        body=anthropic.count_tokens_response(msgspec.json.decode(raw)),
+        content_type="application/json",
+    )
+
+
+async def list_models(request: web.Request) -> web.Response:
+    svc: Services = request.app["services"]
+    await svc.keys.rollout_for(request.headers)
+    models = sorted(await svc.upstreams.served_models())
+    return web.Response(
+        body=msgspec.json.encode(
+            {
+                "object": "list",
+                "data": [
+                    {"id": m, "object": "model", "created": 0, "owned_by": "rolltap"}
+                    for m in models
+                ],
+            }
+        ),
+        content_type="application/json",
+    )
+
+
+async def root(request: web.Request) -> web.Response:
+    # Some harnesses probe the base URL (Claude Code sends `HEAD /`) before their first call.
+    return web.json_response({"name": "rolltap", "status": "ok"})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    svc: Services = request.app["services"]
+    try:
+        async with svc.pool.acquire() as conn:
+            await conn.fetchval("SELECT 1")
+        database = "ok"
+    except (asyncpg.PostgresError, OSError) as exc:
+        database = f"down: {exc}"
+    upstreams = await svc.upstreams.health()
+    healthy = database == "ok" and any(v == "ok" for v in upstreams.values())
+    st = svc.recorder.stats
+    return web.json_response(
+        {
+            "status": "ok" if healthy else "degraded",
+            "database": database,
+            "upstreams": upstreams,
+            "policy_version": svc.policy_version,
+            "recorder": {
+                "commits": st.commits,
+                "records": st.records,
+                "largest_batch": st.largest_batch,
+            },
+        },
+        status=200 if healthy else 503,
+    )
+
+
+async def _end_overdue(svc: Services) -> None:
+    """Rollouts past their deadline end as `timeout` and are merged; ended rollouts left
+    unmerged by a gateway that died are merged too. Safe with several gateways: the UPDATE picks
+    each rollout once, and merging is idempotent."""
+    while True:
+        await asyncio.sleep(_SWEEP_INTERVAL_S)
+        try:
+            async with svc.pool.acquire() as conn:
+                for rollout_id in await rollouts_store.expire_overdue(conn):
+                    svc.keys.forget(rollout_id)
+                    svc.recent.forget(rollout_id)
+                pending = await traces_store.unmerged(conn)
+            for rollout_id in pending:
+                await merge_rollout(svc.pool, rollout_id, svc.config.merge_options)
+        except (asyncpg.PostgresError, OSError):
+            log.exception("deadline sweep failed; retrying")
+
+
+def build_app(config: GatewayConfig, pool: asyncpg.Pool) -> web.Application:
+    app = web.Application(middlewares=[protocol_errors], client_max_size=config.max_body_bytes)
+    svc = Services(config, pool)
+    app["services"] = svc
+
+    async def lifecycle(app: web.Application):
+        await svc.start()
+        sweeper = asyncio.create_task(_end_overdue(svc))
+        yield
+        sweeper.cancel()
+        await svc.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/chat/completions", _model_route(chat))
+    app.router.add_post("/v1/completions", _model_route(completions))
+    app.router.add_post("/v1/responses", _model_route(responses))
+    app.router.add_post("/v1/messages", _model_route(anthropic))
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/", root)
+    app.router.add_routes(admin.routes)
+    return app

@@ -1,0 +1,107 @@
+"""Rollout keys and the admin key.
+
+A rollout key is 256 random bits; only its SHA-256 is stored (a fast hash is enough for keys
+that cannot be guessed). A sandboxed agent holds only its rollout key, which opens the model
+routes for that one rollout and nothing else (invariant 6). Unknown and ended keys get 401:
+a key is never adopted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from uuid import UUID
+
+import asyncpg
+
+from gateway.protocols.errors import GatewayError
+from gateway.store import rollouts as rollouts_store
+
+KEY_PREFIX = "rt-"
+
+
+def new_rollout_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_key(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def presented_key(headers) -> str | None:
+    """The key a client sent: `Authorization: Bearer KEY` (OpenAI style) or `x-api-key`
+    (Anthropic style)."""
+    auth = headers.get("Authorization")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    return headers.get("x-api-key") or None
+
+
+def check_admin(headers, admin_key: str) -> None:
+    key = presented_key(headers)
+    if key is None:
+        raise GatewayError(
+            401,
+            "admin key required: send `Authorization: Bearer ADMIN_KEY`",
+            "authentication_error",
+        )
+    if not hmac.compare_digest(key.encode(), admin_key.encode()):
+        kind = "permission_error" if key.startswith(KEY_PREFIX) else "authentication_error"
+        raise GatewayError(
+            403 if kind == "permission_error" else 401, "this key cannot use the admin API", kind
+        )
+
+
+class RolloutKeys:
+    """Key -> running rollout, cached briefly so the hot path rarely touches the database.
+
+    Ending a rollout on this gateway drops its entry at once; on other gateways an entry lives
+    at most `ttl_s`, bounding how long an ended key still works there.
+    """
+
+    def __init__(self, pool: asyncpg.Pool, ttl_s: float = 2.0) -> None:
+        self._pool = pool
+        self._ttl_s = ttl_s
+        self._cache: dict[bytes, tuple[UUID, float]] = {}
+
+    async def rollout_for(self, headers) -> UUID:
+        key = presented_key(headers)
+        if key is None:
+            raise GatewayError(
+                401,
+                "missing API key: send the rollout key as `Authorization: Bearer KEY` "
+                "or `x-api-key: KEY`",
+                "authentication_error",
+            )
+        digest = hash_key(key)
+        now = time.monotonic()
+        hit = self._cache.get(digest)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        async with self._pool.acquire() as conn:
+            row = await rollouts_store.by_key_hash(conn, digest)
+        if row is None:
+            raise GatewayError(
+                401, "unknown API key", "authentication_error", code="invalid_api_key"
+            )
+        if row["status"] != "running":
+            self._cache.pop(digest, None)
+            raise GatewayError(
+                401,
+                f"this rollout has ended ({row['status']}); its key no longer works",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+        if len(self._cache) > 100_000:
+            self._cache.clear()
+        self._cache[digest] = (row["id"], now + self._ttl_s)
+        return row["id"]
+
+    def forget(self, rollout_id: UUID) -> None:
+        for digest, (rid, _) in list(self._cache.items()):
+            if rid == rollout_id:
+                del self._cache[digest]

@@ -1,0 +1,471 @@
+"""Merging one rollout's recorded model calls into token-faithful training sequences.
+
+Pure: no I/O. The gateway feeds it the engine's token ids of every call of a finished rollout and
+stores what comes back.
+
+Structure (invariant 3, "same conditioning"). A call's parent is the call, earlier or later in
+arrival order, whose prompt + completion is the longest exact token prefix of the call's prompt.
+Ties between calls with identical full sequences go to one that arrived before the child, then to
+the latest; a call with an empty completion never points back at a call whose full sequence equals
+its own, so the forest has no cycles. Every root-to-leaf path is one sequence: the leaf's prompt +
+completion, with the sampled span of every call on the path at its own prompt's length, so each
+trained token is preceded by exactly the tokens the engine conditioned on. A call on several paths
+is trained in the first of them (depth-first, earliest fork first) and is context elsewhere.
+
+Forks. Every sequence exists because of exactly one fork, and its `cause` names it:
+- "start": the rollout's first root.
+- "abandoned": the path ends in an abandoned retry. Retries are siblings (same parent, or both
+  roots) with identical prompts; in such a group the members with descendants are kept, or, when
+  all are leaves, the latest one; the others are abandoned.
+- "drift" / "rewrite" / "independent": any other root, and any child after the first of its parent
+  (children ordered by arrival, a retry group at its first member's place). It is classified by the
+  earlier call c* whose full sequence shares the longest prefix with the fork's prompt, at the
+  divergence position p: inside a sampled span of c*'s path -> drift (the harness re-serialised an
+  assistant turn); in context after the path's first sampled token -> rewrite (compaction, edited
+  history); before it -> independent (sub-agents, side calls). When several earlier calls tie, the
+  most specific reading wins (drift, then rewrite). A retry whose answers were both continued
+  counts as drift: its prompt ends where the other answer's sampled tokens begin.
+The other paths' cause is inherited from the nearest fork above their leaf.
+
+Why forks and not only roots: under exact-prefix parents a root can only diverge inside its
+nearest tree root's prompt or completion, never after one of its calls ends, so "rewrite" could
+never be observed at a root; and a drift in any turn but the first makes the re-rendered call a
+sibling of the call it re-rendered, which must not be mistaken for a retry (its tokens were used).
+
+Exclusion. Abandoned calls (unless `train_abandoned`) and aborted or failed calls (unless
+`train_aborted`) are never trained; a path ending in one is excluded, and so is an auxiliary path
+(no call on it offered tools: titles, summaries) unless `train_auxiliary`. A call all of whose paths
+are excluded is excluded. An excluded sequence trains nothing. Calls without any token (a request
+that failed before the engine saw it) are counted but form no sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+CAUSES = ("drift", "rewrite", "independent", "abandoned")
+STATUSES = ("ok", "aborted", "failed")
+# Tokens compared per candidate before an exact prefix comparison; spread over the candidate's
+# full sequence, its last token included, they reject almost every non-prefix.
+_PROBES = 8
+_NONE = np.iinfo(np.int64).max
+
+
+class CallTokens(msgspec.Struct, frozen=True, eq=False):
+    """One recorded model call, as the engine saw and sampled it.
+
+    A Struct like every record type of the project; numpy fields are fine because a Struct does not
+    validate on construction, and __post_init__ normalises them (lists or other widths from the
+    store) to the dtypes the merge relies on.
+    """
+
+    id: str
+    seq: int
+    prompt_ids: np.ndarray
+    completion_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    status: str
+    offered_tools: bool
+
+    def __post_init__(self) -> None:
+        for name, dtype in (
+            ("prompt_ids", np.int32),
+            ("completion_ids", np.int32),
+            ("logprobs", np.float32),
+            ("versions", np.int32),
+        ):
+            array = np.ascontiguousarray(getattr(self, name), dtype=dtype)
+            if array.ndim != 1:
+                raise ValueError(f"call {self.id}: {name} must be one-dimensional")
+            msgspec.structs.force_setattr(self, name, array)
+        sampled = self.completion_ids.size
+        if self.logprobs.size != sampled or self.versions.size != sampled:
+            raise ValueError(
+                f"call {self.id}: {sampled} completion ids but {self.logprobs.size} logprobs "
+                f"and {self.versions.size} versions"
+            )
+        if self.status not in STATUSES:
+            raise ValueError(f"call {self.id}: status {self.status!r} not in {STATUSES}")
+
+
+class MergeOptions(msgspec.Struct, frozen=True, kw_only=True):
+    train_auxiliary: bool = False
+    train_abandoned: bool = False
+    train_aborted: bool = False
+
+
+class MergedSequence(msgspec.Struct, frozen=True, eq=False):
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    call_ids: list[str]
+    cause: str
+    auxiliary: bool
+    excluded: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "input_ids": self.input_ids.tolist(),
+            "loss_mask": self.loss_mask.tolist(),
+            "logprobs": self.logprobs.tolist(),
+            "versions": self.versions.tolist(),
+            "call_ids": list(self.call_ids),
+            "cause": self.cause,
+            "auxiliary": self.auxiliary,
+            "excluded": self.excluded,
+        }
+
+
+class MergeStats(msgspec.Struct, frozen=True):
+    calls: int
+    sequences: int
+    trained_tokens: int
+    sampled_tokens: int
+    lost_tokens: int
+    excluded_tokens: int
+    causes: dict[str, int]
+    excluded_sequences: int
+    auxiliary_sequences: int
+
+
+class MergeResult(msgspec.Struct, frozen=True, eq=False):
+    sequences: list[MergedSequence]
+    stats: MergeStats
+    parents: dict[str, str | None]
+    options: MergeOptions
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sequences": [s.to_dict() for s in self.sequences],
+            "stats": msgspec.structs.asdict(self.stats),
+            "parents": dict(self.parents),
+            "options": msgspec.structs.asdict(self.options),
+        }
+
+
+def common_prefix_len(a: Any, b: Any) -> int:
+    """Length of the common prefix of two token sequences.
+
+    Compares in growing windows so that the cost follows the common prefix, not the lengths.
+    """
+    a, b = np.asarray(a), np.asarray(b)
+    n = min(a.size, b.size)
+    start, width = 0, 256
+    while start < n:
+        stop = min(n, start + width)
+        diff = np.flatnonzero(a[start:stop] != b[start:stop])
+        if diff.size:
+            return start + int(diff[0])
+        start, width = stop, width * 8
+    return n
+
+
+def best_base(
+    prompt: Any, candidates: Sequence[tuple[str, Any]]
+) -> tuple[str | None, int]:
+    """The candidate (call id, that call's prompt + completion ids) sharing the longest prefix with
+    `prompt`, and that length; (None, 0) if none shares a token.
+
+    Ties go to the longer candidate, then the later one in `candidates`. Candidates are tried
+    longest first, and one is compared in full only if its token right after the best prefix so far
+    matches, so a linear conversation costs one comparison.
+    """
+    prompt = np.asarray(prompt)
+    arrays = [np.asarray(ids) for _, ids in candidates]
+    order = sorted(range(len(arrays)), key=lambda k: (-arrays[k].size, -k))
+    best_id, best = None, 0
+    for k in order:
+        if min(arrays[k].size, prompt.size) <= best:
+            break
+        if arrays[k][best] != prompt[best]:
+            continue
+        shared = common_prefix_len(prompt, arrays[k])
+        if shared > best:
+            best_id, best = candidates[k][0], shared
+    return best_id, best
+
+
+def merge(calls: Sequence[CallTokens], options: MergeOptions = MergeOptions()) -> MergeResult:
+    """Merge one rollout's calls (any order) into training sequences; see the module docstring."""
+    ordered = sorted(calls, key=lambda c: (c.seq, c.id))
+    if len({c.id for c in ordered}) != len(ordered):
+        raise ValueError("duplicate call ids")
+    live = [c for c in ordered if c.prompt_ids.size or c.completion_ids.size]
+    packed = _Packed(live)
+    parent = _find_parents(packed)
+    lcp = _full_lcps(packed, parent)
+    forest = _Forest(packed, parent, lcp, np.array([c.offered_tools for c in live], dtype=bool))
+    blocked = forest.abandoned & (not options.train_abandoned)
+    if not options.train_aborted:
+        blocked |= np.array([c.status != "ok" for c in live], dtype=bool)
+    sequences, trained_calls = _sequences(live, packed, forest, blocked, options)
+
+    excluded_call = ~trained_calls
+    trained = sum(int(np.count_nonzero(s.loss_mask)) for s in sequences)
+    sampled = int(packed.C[~excluded_call].sum())
+    causes = dict.fromkeys(CAUSES, 0)
+    for s in sequences:
+        if s.cause in causes:
+            causes[s.cause] += 1
+    stats = MergeStats(
+        calls=len(ordered),
+        sequences=len(sequences),
+        trained_tokens=trained,
+        sampled_tokens=sampled,
+        # From the masks actually built: a merge that drops or double-trains a token shows here.
+        lost_tokens=sampled - trained,
+        excluded_tokens=int(packed.C[excluded_call].sum()),
+        causes=causes,
+        excluded_sequences=sum(s.excluded for s in sequences),
+        auxiliary_sequences=sum(s.auxiliary for s in sequences),
+    )
+    parents: dict[str, str | None] = {c.id: None for c in ordered}
+    for i, c in enumerate(live):
+        if parent[i] >= 0:
+            parents[c.id] = live[parent[i]].id
+    return MergeResult(sequences=sequences, stats=stats, parents=parents, options=options)
+
+
+class _Packed:
+    """Every call's prompt + completion in one buffer, so probes and comparisons are gathers."""
+
+    def __init__(self, calls: Sequence[CallTokens]) -> None:
+        self.P = np.array([c.prompt_ids.size for c in calls], dtype=np.int64)
+        self.C = np.array([c.completion_ids.size for c in calls], dtype=np.int64)
+        self.F = self.P + self.C
+        self.off = np.concatenate(([0], np.cumsum(self.F)[:-1])).astype(np.int64)
+        parts = [a for c in calls for a in (c.prompt_ids, c.completion_ids)]
+        self.tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        self.tokens.flags.writeable = False
+
+    def full(self, i: int) -> np.ndarray:
+        return self.tokens[self.off[i] : self.off[i] + self.F[i]]
+
+    def prompt(self, i: int) -> np.ndarray:
+        return self.tokens[self.off[i] : self.off[i] + self.P[i]]
+
+
+def _find_parents(packed: _Packed) -> np.ndarray:
+    """Index of each call's parent (-1 for a root); calls in (seq, id) order, none empty."""
+    n = packed.F.size
+    parent = np.full(n, -1, dtype=np.int64)
+    if n == 0:
+        return parent
+    spread = np.linspace(0.0, 1.0, _PROBES)
+    probe_pos = np.floor((packed.F - 1)[:, None] * spread).astype(np.int64)
+    probe_tok = packed.tokens[packed.off[:, None] + probe_pos]
+    index = np.arange(n)
+    for j in range(n):
+        candidate = packed.F <= packed.P[j]
+        candidate[j] = False
+        if packed.P[j] == packed.F[j]:
+            # Empty completion: a call with the same full sequence may be the parent only if it
+            # came first, or two such calls would be each other's parent.
+            candidate &= (packed.F < packed.F[j]) | (index < j)
+        ci = np.flatnonzero(candidate)
+        if ci.size == 0:
+            continue
+        ci = ci[(packed.tokens[packed.off[j] + probe_pos[ci]] == probe_tok[ci]).all(axis=1)]
+        prompt = packed.prompt(j)
+        for i in ci[np.lexsort((-ci, ci > j, -packed.F[ci]))]:
+            if np.array_equal(packed.full(i), prompt[: packed.F[i]]):
+                parent[j] = i
+                break
+    return parent
+
+
+def _full_lcps(packed: _Packed, parent: np.ndarray) -> np.ndarray:
+    """lcp[i, j]: length of the common prefix of the full sequences of calls i and j.
+
+    Row by row in arrival order, each from the row of a pivot q already done (the call's parent if
+    it came earlier, else the previous call): lcp(d, r) = min(lcp(d, q), lcp(q, r)) whenever the two
+    differ, and only ties are compared token by token (after a one-token check). A chain needs no
+    comparison at all, a rollout re-rendered at every turn one per call.
+    """
+    n = packed.F.size
+    lcp = np.zeros((n, n), dtype=np.int64)
+    np.fill_diagonal(lcp, packed.F)
+    for d in range(1, n):
+        q = int(parent[d]) if 0 <= parent[d] < d else d - 1
+        if q == parent[d]:
+            lam = int(packed.F[q])
+        else:
+            lam = common_prefix_len(packed.full(d), packed.full(q))
+        via = lcp[q, :d]
+        row = np.minimum(via, lam)
+        tie = np.flatnonzero(via == lam)
+        if tie.size and packed.F[d] > lam:
+            tie = tie[packed.F[tie] > lam]
+            same = packed.tokens[packed.off[tie] + lam] == packed.tokens[packed.off[d] + lam]
+            tail = packed.full(d)[lam:]
+            for r in tie[same]:
+                row[r] = lam + common_prefix_len(tail, packed.full(r)[lam:])
+        lcp[d, :d] = row
+        lcp[:d, d] = row
+    return lcp
+
+
+class _Forest:
+    """The parent forest with retries, forks, their causes and the root-to-leaf paths."""
+
+    def __init__(
+        self, packed: _Packed, parent: np.ndarray, lcp: np.ndarray, tools: np.ndarray
+    ) -> None:
+        n = parent.size
+        self.packed, self.parent, self.lcp = packed, parent, lcp
+        self.children: list[list[int]] = [[] for _ in range(n)]
+        roots: list[int] = []
+        for i in range(n):
+            (self.children[parent[i]] if parent[i] >= 0 else roots).append(i)
+        self.abandoned = np.zeros(n, dtype=bool)
+        # A retry group takes its first member's place among siblings and in fork classification.
+        self.anchor = np.arange(n)
+        for siblings in [roots, *self.children]:
+            self._group_retries(siblings)
+        rank = self.anchor.__getitem__
+        roots.sort(key=rank)
+        for kids in self.children:
+            kids.sort(key=rank)
+        self.continuation = [
+            next((k for k in kids if not self.abandoned[k]), -1) for kids in self.children
+        ]
+        self.preorder = _preorder(roots, self.children)
+        self.first_sampled = np.full(n, _NONE, dtype=np.int64)
+        self.tools = tools.copy()
+        for i in self.preorder:
+            up = parent[i]
+            if up >= 0:
+                self.first_sampled[i] = self.first_sampled[up]
+                self.tools[i] |= self.tools[up]
+            if self.first_sampled[i] == _NONE and packed.C[i]:
+                self.first_sampled[i] = packed.P[i]
+        self.cause: list[str] = [""] * n
+        for i in self.preorder:
+            self.cause[i] = self._fork_cause(i)
+
+    def _group_retries(self, siblings: list[int]) -> None:
+        by_length: dict[int, list[list[int]]] = {}
+        for s in siblings:
+            groups = by_length.setdefault(int(self.packed.P[s]), [])
+            for group in groups:
+                if self.lcp[group[0], s] >= self.packed.P[s]:
+                    group.append(s)
+                    break
+            else:
+                groups.append([s])
+        for groups in by_length.values():
+            for group in groups:
+                kept = [m for m in group if self.children[m]] or [group[-1]]
+                self.abandoned[[m for m in group if m not in kept]] = True
+                self.anchor[kept[0]] = group[0]
+
+    def _fork_cause(self, i: int) -> str:
+        """Own fork cause, or the inherited one when the call continues its parent's path."""
+        if self.abandoned[i]:
+            return "abandoned"
+        up = self.parent[i]
+        if up >= 0 and i == self.continuation[up]:
+            return self.cause[up]
+        return self._classify(i)
+
+    def _classify(self, f: int) -> str:
+        packed, anchor = self.packed, int(self.anchor[f])
+        if anchor == 0:
+            return "start"
+        reach = np.minimum(self.lcp[f, :anchor], packed.P[f])
+        p = int(reach.max())
+        tied = np.flatnonzero(reach == p)
+        is_tied = np.zeros(packed.F.size, dtype=bool)
+        is_tied[tied] = True
+        up = np.maximum(self.parent[tied], 0)
+        # A tied call whose parent ties too and still covers position p has the parent's tokens
+        # and origin there: only the topmost tied calls need a look.
+        inherited = (self.parent[tied] >= 0) & is_tied[up] & (packed.F[up] > p)
+        best = "independent"
+        for r in tied[~inherited]:
+            owner = r
+            while self.parent[owner] >= 0 and packed.F[self.parent[owner]] > p:
+                owner = self.parent[owner]
+            if packed.P[owner] <= p < packed.F[owner]:
+                return "drift"
+            if self.first_sampled[r] < p:
+                best = "rewrite"
+        return best
+
+    def leaf_paths(self) -> list[list[int]]:
+        """Root-to-leaf paths in depth-first order, earliest fork first."""
+        paths = []
+        for i in self.preorder:
+            if not self.children[i]:
+                path = [i]
+                while self.parent[path[-1]] >= 0:
+                    path.append(int(self.parent[path[-1]]))
+                paths.append(path[::-1])
+        return paths
+
+
+def _preorder(roots: list[int], children: list[list[int]]) -> list[int]:
+    order: list[int] = []
+    stack = roots[::-1]
+    while stack:
+        i = stack.pop()
+        order.append(i)
+        stack.extend(children[i][::-1])
+    return order
+
+
+def _sequences(
+    live: Sequence[CallTokens],
+    packed: _Packed,
+    forest: _Forest,
+    blocked: np.ndarray,
+    options: MergeOptions,
+) -> tuple[list[MergedSequence], np.ndarray]:
+    """Build one sequence per path; also which calls were trained somewhere."""
+    seen = np.zeros(packed.F.size, dtype=bool)
+    sequences = []
+    paths = forest.leaf_paths()
+    bounds = np.cumsum([0] + [int(packed.F[path[-1]]) for path in paths])
+    # One block per array for all sequences, each sequence a view: a rollout re-rendered at
+    # every turn has as many sequences as calls, and allocating each alone dominated the merge.
+    masks = np.zeros(bounds[-1], dtype=np.uint8)
+    all_logprobs = np.zeros(bounds[-1], dtype=np.float32)
+    all_versions = np.full(bounds[-1], -1, dtype=np.int32)
+    for path, start, stop in zip(paths, bounds[:-1], bounds[1:], strict=True):
+        leaf = path[-1]
+        auxiliary = not forest.tools[leaf]
+        excluded = bool(blocked[leaf]) or (auxiliary and not options.train_auxiliary)
+        mask = masks[start:stop]
+        logprobs = all_logprobs[start:stop]
+        versions = all_versions[start:stop]
+        if not excluded:
+            # Walking up stops at the first call an earlier path already handled: its ancestors
+            # were handled with it.
+            for i in reversed(path):
+                if seen[i]:
+                    break
+                seen[i] = True
+                if not blocked[i]:
+                    span = slice(int(packed.P[i]), int(packed.F[i]))
+                    mask[span] = 1
+                    logprobs[span] = live[i].logprobs
+                    versions[span] = live[i].versions
+        sequences.append(
+            MergedSequence(
+                input_ids=packed.full(leaf),
+                loss_mask=mask,
+                logprobs=logprobs,
+                versions=versions,
+                call_ids=[live[i].id for i in path],
+                cause=forest.cause[leaf],
+                auxiliary=auxiliary,
+                excluded=excluded,
+            )
+        )
+    return sequences, seen & ~blocked

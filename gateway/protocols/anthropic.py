@@ -1,0 +1,835 @@
+"""Anthropic Messages API <-> vLLM chat completions: request translation, response rendering,
+the streaming adapter, error bodies and the count_tokens helpers.
+
+Decisions a reader cannot see from the code alone:
+- Consecutive messages of one role form one turn, as the Messages API documents.
+- `thinking` blocks of earlier assistant turns become the chat message's `reasoning` (vLLM hands
+  it to the chat template as `reasoning`/`reasoning_content`); `redacted_thinking` is opaque
+  data and is dropped. The `thinking` request setting is validated and otherwise ignored: the
+  gateway core owns generation settings, and reasoning the engine returns (a reasoning parser is
+  configured) comes back as thinking blocks whatever the setting.
+- `tool_result` with `is_error: true` becomes a tool message whose text starts with "Error: "
+  (chat tool messages have no error flag; the model must still see that the call failed).
+- Tool-call arguments that are not a JSON object come back as `input: {}` (Anthropic clients
+  need an object; the raw text stays in the recorded upstream response). Streaming passes the
+  argument fragments through as they arrive, unchanged.
+- `stop_reason` is `stop_sequence` when vLLM reports (`stop_reason` of the choice) that one of
+  the request's stop strings ended the output, `tool_use` whenever the reply holds a tool call
+  and did not hit the length limit.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from gateway.protocols.errors import GatewayError, bad_request
+from gateway.protocols.normalize import normalize_messages
+
+NAME = "anthropic"
+UPSTREAM_PATH = "/v1/chat/completions"
+
+# ---------------------------------------------------------------------------------------------
+# Wire types of the request. Unknown fields (cache_control, citations, context_management,
+# output_config, service_tier, ...) are accepted and ignored.
+
+
+class TextBlock(msgspec.Struct, tag="text", tag_field="type"):
+    text: str
+
+
+class ImageBlock(msgspec.Struct, tag="image", tag_field="type"):
+    """Decoded only to be rejected with a clear message: the served model is text-only."""
+
+
+class DocumentBlock(msgspec.Struct, tag="document", tag_field="type"):
+    """Decoded only to be rejected with a clear message: the served model is text-only."""
+
+
+class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type"):
+    tool_use_id: str
+    content: str | list[TextBlock | ImageBlock | DocumentBlock] | None = None
+    is_error: bool | None = None
+
+
+class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type"):
+    thinking: str
+
+
+class RedactedThinkingBlock(msgspec.Struct, tag="redacted_thinking", tag_field="type"):
+    pass
+
+
+Block = (
+    TextBlock
+    | ImageBlock
+    | DocumentBlock
+    | ToolUseBlock
+    | ToolResultBlock
+    | ThinkingBlock
+    | RedactedThinkingBlock
+)
+
+
+class Message(msgspec.Struct):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[Block]
+
+
+class Tool(msgspec.Struct):
+    name: str
+    # Optional here so that a missing schema and a server tool (which has none) get messages
+    # of their own instead of a bare "missing field".
+    input_schema: dict[str, Any] | None = None
+    description: str | None = None
+    type: str | None = None
+    strict: bool | None = None
+
+
+class ToolChoiceAuto(msgspec.Struct, tag="auto", tag_field="type"):
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceAny(msgspec.Struct, tag="any", tag_field="type"):
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceTool(msgspec.Struct, tag="tool", tag_field="type"):
+    name: str
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceNone(msgspec.Struct, tag="none", tag_field="type"):
+    pass
+
+
+ToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
+
+
+class ThinkingConfig(msgspec.Struct):
+    type: str
+    budget_tokens: int | None = None
+
+
+class Metadata(msgspec.Struct):
+    user_id: str | None = None
+
+
+class CountTokensBody(msgspec.Struct, kw_only=True):
+    """`POST /v1/messages/count_tokens`: a Messages request without the output settings."""
+
+    model: str
+    messages: list[Message]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+
+
+class MessagesBody(CountTokensBody, kw_only=True):
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+    # Accepted and recorded with the raw request; the core pins sampling.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: Metadata | None = None
+
+
+class Request(msgspec.Struct, frozen=True):
+    """A decoded, validated request with its chat-completions parts already built."""
+
+    body: CountTokensBody
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    tool_choice: str | dict[str, Any] | None
+    parallel_tool_calls: bool | None
+    prefill: bool
+
+
+class Context(msgspec.Struct, frozen=True):
+    model: str
+    message_id: str
+    stop_sequences: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Request side
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+_MSGSPEC_PATH = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.DOTALL)
+_PATH_INDEX = re.compile(r"\[(\d+)\]")
+_MISSING_FIELD = re.compile(r"^Object missing required field `(.*)`$")
+_BAD_TAG = re.compile(r"^Invalid value (.*)$")
+
+
+def _decode_error(err: msgspec.DecodeError) -> GatewayError:
+    """msgspec says `Expected int, got str - at $.messages[0].content`; Anthropic names fields
+    `messages.0.content: ...`."""
+    match = _MSGSPEC_PATH.match(str(err))
+    assert match is not None  # the pattern matches any string
+    text, at = match.groups()
+    if not isinstance(err, msgspec.ValidationError):
+        return bad_request(f"request body is not valid JSON: {text}")
+    path = _PATH_INDEX.sub(r".\1", at or "").lstrip(".")
+    if missing := _MISSING_FIELD.match(text):
+        path = f"{path}.{missing[1]}".lstrip(".")
+        text = "Field required"
+    elif path.endswith("type") and (bad := _BAD_TAG.match(text)):
+        text = f"unknown type {bad[1]}"
+    if not path:
+        return bad_request(f"request body: {text}")
+    return bad_request(f"{path}: {text}", param=path)
+
+
+def _content_value(texts: list[str]) -> str | list[dict[str, str]] | None:
+    """One text stays a string; several stay separate parts, as the client sent them."""
+    if not texts:
+        return None
+    if len(texts) == 1:
+        return texts[0]
+    return [{"type": "text", "text": t} for t in texts]
+
+
+def _tool_result_text(block: ToolResultBlock, path: str) -> str:
+    content = block.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        parts = []
+        for k, item in enumerate(content):
+            if not isinstance(item, TextBlock):
+                raise _text_only(item, f"{path}.content.{k}")
+            parts.append(item.text)
+        text = "\n".join(parts)
+    if block.is_error:
+        return f"Error: {text}" if text else "Error"
+    return text
+
+
+def _text_only(block: Block, path: str) -> GatewayError:
+    kind = "image" if isinstance(block, ImageBlock) else "document"
+    return bad_request(
+        f"{path}: {kind} content is not supported: the served model is text-only", param=path
+    )
+
+
+def _misplaced(block: Block, role: str, path: str) -> GatewayError:
+    kind = type(block).__struct_config__.tag
+    return bad_request(f"{path}: {kind} blocks are not allowed in {role} messages", param=path)
+
+
+def _user_turn(items: list[tuple[str, Block]], open_tool_ids: set[str]) -> list[dict[str, Any]]:
+    """Tool results first (as tool messages, in the client's order), then the user's text."""
+    tool_messages: list[dict[str, Any]] = []
+    texts: list[str] = []
+    answered: set[str] = set()
+    for path, block in items:
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolResultBlock):
+            tool_id = block.tool_use_id
+            id_path = f"{path}.tool_use_id"
+            if tool_id not in open_tool_ids:
+                raise bad_request(
+                    f"{id_path}: tool_result refers to tool_use id {tool_id!r}, which is not a "
+                    "tool_use block of the preceding assistant turn",
+                    param=id_path,
+                )
+            if tool_id in answered:
+                raise bad_request(
+                    f"{id_path}: a second tool_result for tool_use id {tool_id!r}", param=id_path
+                )
+            answered.add(tool_id)
+            tool_messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": tool_id,
+                    "content": _tool_result_text(block, path),
+                }
+            )
+        elif isinstance(block, (ImageBlock, DocumentBlock)):
+            raise _text_only(block, path)
+        else:
+            raise _misplaced(block, "user", path)
+    if texts or not tool_messages:
+        tool_messages.append({"role": "user", "content": _content_value(texts) or ""})
+    return tool_messages
+
+
+def _assistant_turn(items: list[tuple[str, Block]]) -> tuple[dict[str, Any], list[str]]:
+    texts: list[str] = []
+    reasoning: list[str] = []
+    tool_calls: list[dict[str, Any]] = []
+    for path, block in items:
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            reasoning.append(block.thinking)
+        elif isinstance(block, RedactedThinkingBlock):
+            continue
+        elif isinstance(block, ToolUseBlock):
+            tool_calls.append(
+                {
+                    "id": block.id,
+                    "type": "function",
+                    "function": {
+                        "name": block.name,
+                        "arguments": msgspec.json.encode(block.input).decode(),
+                    },
+                }
+            )
+        elif isinstance(block, (ImageBlock, DocumentBlock)):
+            raise _text_only(block, path)
+        else:
+            raise _misplaced(block, "assistant", path)
+    message: dict[str, Any] = {"role": "assistant", "content": _content_value(texts)}
+    if reasoning:
+        message["reasoning"] = "\n".join(reasoning)
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message, [call["id"] for call in tool_calls]
+
+
+def _turns(messages: list[Message]) -> list[tuple[str, int, list[tuple[str, Block]]]]:
+    """Consecutive user or assistant messages merged: (role, index of its first message, blocks
+    with their field paths). A system message is a turn of its own."""
+    turns: list[tuple[str, int, list[tuple[str, Block]]]] = []
+    for i, message in enumerate(messages):
+        if isinstance(message.content, str):
+            items = [(f"messages.{i}.content", TextBlock(message.content))]
+        else:
+            items = [(f"messages.{i}.content.{j}", b) for j, b in enumerate(message.content)]
+        if turns and turns[-1][0] == message.role != "system":
+            turns[-1][2].extend(items)
+        else:
+            turns.append((message.role, i, items))
+    return turns
+
+
+def _system_message(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
+    if system is None:
+        return []
+    text = system if isinstance(system, str) else "\n".join(block.text for block in system)
+    return [{"role": "system", "content": text}] if text else []
+
+
+def _system_turn(messages: list[Message], index: int) -> list[dict[str, Any]]:
+    """A mid-conversation system message (Claude Code 2.1.197 sends them, with the beta
+    `mid-conversation-system-2026-04-07`): kept as a chat system message at its place. The
+    Messages API accepts one only directly after a user message, with text content."""
+    message = messages[index]
+    if index == 0 or messages[index - 1].role != "user":
+        raise bad_request(
+            f"messages.{index}.role: a system message must directly follow a user message",
+            param=f"messages.{index}.role",
+        )
+    if isinstance(message.content, list):
+        for j, block in enumerate(message.content):
+            if not isinstance(block, TextBlock):
+                raise _misplaced(block, "system", f"messages.{index}.content.{j}")
+    return _system_message(message.content)
+
+
+def _chat_messages(body: CountTokensBody) -> tuple[list[dict[str, Any]], bool]:
+    """The upstream chat messages (normalised) and whether the last turn is an assistant
+    prefill that the model continues."""
+    if not body.messages:
+        raise bad_request("messages: at least one message is required", param="messages")
+    out = _system_message(body.system)
+    open_tool_ids: set[str] = set()
+    turns = _turns(body.messages)
+    for role, first, items in turns:
+        if role == "system":
+            out.extend(_system_turn(body.messages, first))
+        elif role == "user":
+            out.extend(_user_turn(items, open_tool_ids))
+            open_tool_ids = set()
+        else:
+            message, tool_ids = _assistant_turn(items)
+            out.append(message)
+            open_tool_ids = set(tool_ids)
+    last_role, last_index, _ = turns[-1]
+    if last_role == "assistant" and open_tool_ids:
+        raise bad_request(
+            f"messages.{last_index}: the conversation ends with tool_use blocks; send their "
+            "tool_result blocks in a user message",
+            param=f"messages.{last_index}",
+        )
+    return normalize_messages(out), last_role == "assistant"
+
+
+def _chat_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    out = []
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        path = f"tools.{i}"
+        if tool.type not in (None, "custom"):
+            raise bad_request(
+                f"{path}.type: tool type {tool.type!r} is not supported; only client tools "
+                "(name, description, input_schema) are",
+                param=f"{path}.type",
+            )
+        if not tool.name:
+            raise bad_request(f"{path}.name: must not be empty", param=f"{path}.name")
+        if tool.name in seen:
+            raise bad_request(
+                f"{path}.name: tool names must be unique; {tool.name!r} repeats",
+                param=f"{path}.name",
+            )
+        seen.add(tool.name)
+        schema = tool.input_schema
+        if schema is None:
+            raise bad_request(f"{path}.input_schema: Field required", param=f"{path}.input_schema")
+        if schema.get("type") != "object":
+            raise bad_request(
+                f"{path}.input_schema.type: must be 'object', got {schema.get('type')!r}",
+                param=f"{path}.input_schema.type",
+            )
+        function: dict[str, Any] = {"name": tool.name, "parameters": schema}
+        if tool.description is not None:
+            function["description"] = tool.description
+        if tool.strict is not None:
+            # Anthropic's strict tool use; vLLM then holds the arguments to the schema.
+            function["strict"] = tool.strict
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _chat_tool_choice(
+    choice: ToolChoice | None, tools: list[dict[str, Any]] | None
+) -> tuple[str | dict[str, Any] | None, bool | None]:
+    """(chat tool_choice, parallel_tool_calls)."""
+    if choice is None:
+        return None, None
+    parallel = False if getattr(choice, "disable_parallel_tool_use", None) else None
+    if isinstance(choice, (ToolChoiceAuto, ToolChoiceNone)):
+        if not tools:
+            return None, None
+        return ("auto" if isinstance(choice, ToolChoiceAuto) else "none"), parallel
+    if not tools:
+        raise bad_request(
+            f"tool_choice: type {choice.__struct_config__.tag!r} needs tools",
+            param="tool_choice",
+        )
+    if isinstance(choice, ToolChoiceAny):
+        return "required", parallel
+    if choice.name not in {tool["function"]["name"] for tool in tools}:
+        raise bad_request(
+            f"tool_choice.name: no tool named {choice.name!r} in tools",
+            param="tool_choice.name",
+        )
+    return {"type": "function", "function": {"name": choice.name}}, parallel
+
+
+def _parse(raw: bytes, body_type: type[CountTokensBody]) -> Request:
+    try:
+        body = msgspec.json.decode(raw, type=body_type)
+    except msgspec.DecodeError as err:
+        raise _decode_error(err) from None
+    messages, prefill = _chat_messages(body)
+    tools = _chat_tools(body.tools)
+    tool_choice, parallel = _chat_tool_choice(body.tool_choice, tools)
+    return Request(body, messages, tools, tool_choice, parallel, prefill)
+
+
+def parse_request(raw: bytes) -> Request:
+    """Decode and validate a `POST /v1/messages` body."""
+    return _parse(raw, MessagesBody)
+
+
+def parse_count_tokens(raw: bytes) -> Request:
+    """Decode and validate a `POST /v1/messages/count_tokens` body (no max_tokens needed)."""
+    return _parse(raw, CountTokensBody)
+
+
+def _template_fields(req: Request) -> dict[str, Any]:
+    # A final assistant turn is a prefill: the model continues it instead of opening a new one.
+    if req.prefill:
+        return {"add_generation_prompt": False, "continue_final_message": True}
+    return {"add_generation_prompt": True}
+
+
+def to_upstream(req: Request) -> tuple[dict[str, Any], Context]:
+    body = req.body
+    if not isinstance(body, MessagesBody):
+        raise TypeError("a count_tokens request goes upstream through count_tokens_request")
+    upstream: dict[str, Any] = {
+        "messages": req.messages,
+        "max_tokens": body.max_tokens,
+        "stream": bool(body.stream),
+    }
+    if req.tools:
+        upstream["tools"] = req.tools
+    if req.tool_choice is not None:
+        upstream["tool_choice"] = req.tool_choice
+    if req.parallel_tool_calls is not None:
+        upstream["parallel_tool_calls"] = req.parallel_tool_calls
+    if body.stop_sequences:
+        upstream["stop"] = list(body.stop_sequences)
+    if req.prefill:
+        upstream.update(_template_fields(req))
+    ctx = Context(
+        model=body.model,
+        message_id=_new_id("msg_"),
+        stop_sequences=tuple(body.stop_sequences or ()),
+    )
+    return upstream, ctx
+
+
+def count_tokens_request(req: Request) -> dict[str, Any]:
+    """Body for vLLM's `POST /tokenize` (chat form); the caller adds `model`."""
+    body: dict[str, Any] = {"messages": req.messages, **_template_fields(req)}
+    if req.tools:
+        body["tools"] = req.tools
+    return body
+
+
+def count_tokens_response(tokenize_resp: dict[str, Any]) -> bytes:
+    return msgspec.json.encode({"input_tokens": tokenize_resp["count"]})
+
+
+# ---------------------------------------------------------------------------------------------
+# Response side
+
+
+def _stop(
+    finish_reason: str | None, matched: Any, has_tool_use: bool, ctx: Context
+) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) from vLLM's finish_reason and its `stop_reason` (the stop
+    string that ended the output, a stop token id, or None)."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if has_tool_use or finish_reason == "tool_calls":
+        return "tool_use", None
+    if finish_reason in ("stop", "repetition", None):
+        if isinstance(matched, str) and matched in ctx.stop_sequences:
+            return "stop_sequence", matched
+        return "end_turn", None
+    raise GatewayError(502, f"upstream finished with reason {finish_reason!r}", "upstream_error")
+
+
+def _tool_input(arguments: Any) -> dict[str, Any]:
+    if isinstance(arguments, dict):
+        return arguments
+    if not arguments:
+        return {}
+    try:
+        value = msgspec.json.decode(arguments)
+    except msgspec.DecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _reasoning(message: dict[str, Any]) -> str | None:
+    # vLLM 0.32 names it `reasoning`; earlier releases `reasoning_content`.
+    return message.get("reasoning") or message.get("reasoning_content")
+
+
+def from_upstream(resp: dict[str, Any], ctx: Context) -> bytes:
+    choice = resp["choices"][0]
+    message = choice.get("message") or {}
+    content: list[dict[str, Any]] = []
+    reasoning = _reasoning(message)
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    text = message.get("content")
+    if text:
+        content.append({"type": "text", "text": text})
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or {}
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call.get("id") or _new_id("toolu_"),
+                "name": function.get("name") or "",
+                "input": _tool_input(function.get("arguments")),
+            }
+        )
+    has_tool_use = bool(content) and content[-1]["type"] == "tool_use"
+    stop_reason, stop_sequence = _stop(
+        choice.get("finish_reason"), choice.get("stop_reason"), has_tool_use, ctx
+    )
+    usage = resp.get("usage") or {}
+    input_tokens = usage.get("prompt_tokens")
+    if input_tokens is None:
+        input_tokens = len(resp.get("prompt_token_ids") or ())
+    output_tokens = usage.get("completion_tokens")
+    if output_tokens is None:
+        output_tokens = len(choice.get("token_ids") or ())
+    return msgspec.json.encode(
+        {
+            "id": ctx.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": ctx.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+        }
+    )
+
+
+_encode = msgspec.json.encode
+
+
+def _frame(event: bytes, data: dict[str, Any]) -> bytes:
+    return b"".join((b"event: ", event, b"\ndata: ", _encode(data), b"\n\n"))
+
+
+_PING = _frame(b"ping", {"type": "ping"})
+_MESSAGE_STOP = _frame(b"message_stop", {"type": "message_stop"})
+
+
+class Stream:
+    """vLLM chat-completion chunks in, Anthropic SSE events out.
+
+    Blocks are opened in arrival order (thinking, text, tool_use...) with consecutive indices;
+    at most one is open, and opening the next closes it. `message_delta` goes out with the
+    upstream usage chunk (the core always asks for it); `message_stop` only from `close()`.
+    """
+
+    __slots__ = (
+        "_ctx",
+        "_started",
+        "_index",
+        "_open",
+        "_tool_blocks",
+        "_has_tool_use",
+        "_finish",
+        "_matched",
+        "_output_tokens",
+        "_delta_sent",
+    )
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+        self._started = False
+        self._index = -1  # index of the newest block
+        self._open: str | None = None  # type of the newest block while it is open
+        self._tool_blocks: dict[int, int] = {}  # upstream tool-call index -> block index
+        self._has_tool_use = False
+        self._finish: str | None = None
+        self._matched: Any = None
+        self._output_tokens = 0
+        self._delta_sent = False
+
+    def _start(self, chunk: dict[str, Any]) -> bytes:
+        self._started = True
+        message = {
+            "id": self._ctx.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self._ctx.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": len(chunk.get("prompt_token_ids") or ()),
+                "output_tokens": 0,
+            },
+        }
+        return _frame(b"message_start", {"type": "message_start", "message": message}) + _PING
+
+    def _close_block(self, out: list[bytes]) -> None:
+        if self._open is not None:
+            out.append(
+                _frame(b"content_block_stop", {"type": "content_block_stop", "index": self._index})
+            )
+            self._open = None
+
+    def _open_block(self, kind: str, block: dict[str, Any], out: list[bytes]) -> None:
+        self._close_block(out)
+        self._index += 1
+        self._open = kind
+        out.append(
+            _frame(
+                b"content_block_start",
+                {"type": "content_block_start", "index": self._index, "content_block": block},
+            )
+        )
+
+    def _delta(self, delta: dict[str, Any], out: list[bytes]) -> None:
+        out.append(
+            _frame(
+                b"content_block_delta",
+                {"type": "content_block_delta", "index": self._index, "delta": delta},
+            )
+        )
+
+    def _tool_call(self, call: dict[str, Any], out: list[bytes]) -> None:
+        position = call.get("index", 0)
+        function = call.get("function") or {}
+        block = self._tool_blocks.get(position)
+        if block is None:
+            self._open_block(
+                "tool_use",
+                {
+                    "type": "tool_use",
+                    "id": call.get("id") or _new_id("toolu_"),
+                    "name": function.get("name") or "",
+                    "input": {},
+                },
+                out,
+            )
+            self._tool_blocks[position] = self._index
+            self._has_tool_use = True
+        elif block != self._index or self._open is None:
+            # Anthropic blocks cannot interleave; vLLM's parsers finish one call before the next.
+            raise GatewayError(
+                502, "upstream interleaved the arguments of two tool calls", "upstream_error"
+            )
+        arguments = function.get("arguments")
+        if arguments:
+            self._delta({"type": "input_json_delta", "partial_json": arguments}, out)
+
+    def _message_delta(self, output_tokens: int, out: list[bytes]) -> None:
+        self._close_block(out)
+        stop_reason, stop_sequence = _stop(
+            self._finish, self._matched, self._has_tool_use, self._ctx
+        )
+        out.append(
+            _frame(
+                b"message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                    "usage": {"output_tokens": output_tokens},
+                },
+            )
+        )
+        self._delta_sent = True
+
+    def feed(self, chunk: dict[str, Any]) -> bytes:
+        out: list[bytes] = []
+        if not self._started:
+            out.append(self._start(chunk))
+        choices = chunk.get("choices")
+        if choices:
+            choice = choices[0]
+            token_ids = choice.get("token_ids")
+            if token_ids:
+                self._output_tokens += len(token_ids)
+            delta = choice.get("delta")
+            if delta:
+                reasoning = _reasoning(delta)
+                if reasoning:
+                    if self._open != "thinking":
+                        self._open_block(
+                            "thinking", {"type": "thinking", "thinking": "", "signature": ""}, out
+                        )
+                    self._delta({"type": "thinking_delta", "thinking": reasoning}, out)
+                text = delta.get("content")
+                if text:
+                    if self._open != "text":
+                        self._open_block("text", {"type": "text", "text": ""}, out)
+                    self._delta({"type": "text_delta", "text": text}, out)
+                for call in delta.get("tool_calls") or ():
+                    self._tool_call(call, out)
+            finish = choice.get("finish_reason")
+            if finish:
+                self._finish = finish
+                self._matched = choice.get("stop_reason")
+                self._close_block(out)
+        usage = chunk.get("usage")
+        if usage and self._finish and not self._delta_sent:
+            completion = usage.get("completion_tokens")
+            self._message_delta(self._output_tokens if completion is None else completion, out)
+        return b"".join(out)
+
+    def close(self) -> bytes:
+        out: list[bytes] = []
+        if not self._started:
+            out.append(self._start({}))
+        if not self._delta_sent:
+            self._message_delta(self._output_tokens, out)
+        out.append(_MESSAGE_STOP)
+        return b"".join(out)
+
+    def fail(self, err: GatewayError) -> bytes:
+        _, body = _error_body(err)
+        return _frame(b"error", body)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+_TYPE_BY_KIND = {
+    "invalid_request_error": "invalid_request_error",
+    "authentication_error": "authentication_error",
+    "permission_error": "permission_error",
+    "not_found_error": "not_found_error",
+    "request_too_large": "request_too_large",
+    "rate_limit_error": "rate_limit_error",
+    "overloaded_error": "overloaded_error",
+}
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+# vLLM 0.32's two token-count overflow messages (renderers/params.py, serve/utils/api_utils.py).
+_OVERFLOW = (
+    re.compile(
+        r"maximum context length is (?P<limit>\d+) tokens\. However, your prompt contains "
+        r"(?:at least )?(?P<count>\d+) input tokens"
+    ),
+    re.compile(
+        r"Input length \((?P<count>\d+)\) exceeds model's maximum context length "
+        r"\((?P<limit>\d+)\)"
+    ),
+)
+
+
+def _prompt_too_long(message: str) -> str:
+    """Claude Code compacts on a message containing "prompt is too long" (case-insensitive);
+    Anthropic's own wording is `prompt is too long: 210118 tokens > 200000 maximum`."""
+    for pattern in _OVERFLOW:
+        match = pattern.search(message)
+        if match:
+            return f"prompt is too long: {match['count']} tokens > {match['limit']} maximum"
+    return f"prompt is too long: {message}"
+
+
+def _error_body(err: GatewayError) -> tuple[int, dict[str, Any]]:
+    status, message = err.status, err.message
+    if err.kind == "context_length_exceeded":
+        status, kind, message = 400, "invalid_request_error", _prompt_too_long(message)
+    elif err.kind in _TYPE_BY_KIND:
+        kind = _TYPE_BY_KIND[err.kind]
+    elif status in _TYPE_BY_STATUS:
+        kind = _TYPE_BY_STATUS[status]
+    else:
+        # Anthropic uses invalid_request_error for 4xx codes it does not list.
+        kind = "api_error" if status >= 500 else "invalid_request_error"
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def render_error(err: GatewayError) -> tuple[int, bytes]:
+    status, body = _error_body(err)
+    return status, msgspec.json.encode(body)

@@ -1,0 +1,121 @@
+"""OpenAI chat completions: the engine's own protocol, so translation is a pass-through that
+checks the request and hides the capture fields the client did not ask for."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from gateway.protocols.errors import GatewayError
+from gateway.protocols.openai_common import (
+    DONE,
+    Echo,
+    check_single_choice,
+    data_frame,
+    decode_checked,
+    encode,
+    render_error,
+    strip_capture,
+)
+
+NAME = "chat"
+UPSTREAM_PATH = "/v1/chat/completions"
+__all__ = [
+    "NAME",
+    "UPSTREAM_PATH",
+    "Context",
+    "parse_request",
+    "to_upstream",
+    "from_upstream",
+    "Stream",
+    "render_error",
+]
+
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+class _Message(msgspec.Struct):
+    role: str
+    content: str | list[dict] | None = None
+
+
+class _Shape(msgspec.Struct):
+    """Only what must hold for the engine to accept the request; the rest passes through."""
+
+    model: str
+    messages: list[_Message]
+    stream: bool = False
+    tools: list[dict] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    return_token_ids: bool | None = None
+    stream_options: dict | None = None
+
+
+class Context(msgspec.Struct):
+    model: str
+    stream: bool
+    echo: Echo
+    include_usage: bool
+
+
+def parse_request(raw: bytes) -> dict:
+    body, shape = decode_checked(raw, _Shape)
+    if not shape.messages:
+        raise GatewayError(400, "`messages` must hold at least one message", param="messages")
+    for i, m in enumerate(shape.messages):
+        if m.role not in _ROLES:
+            raise GatewayError(
+                400, f"messages[{i}].role: unknown role {m.role!r}", param=f"messages[{i}].role"
+            )
+    check_single_choice(body)
+    return body
+
+
+def to_upstream(body: dict) -> tuple[dict, Context]:
+    opts = body.get("stream_options") or {}
+    ctx = Context(
+        model=body["model"],
+        stream=bool(body.get("stream")),
+        echo=Echo(
+            token_ids=bool(body.get("return_token_ids")), logprobs=bool(body.get("logprobs"))
+        ),
+        include_usage=bool(opts.get("include_usage")),
+    )
+    return body, ctx
+
+
+def from_upstream(resp: dict, ctx: Context) -> bytes:
+    return encode(strip_capture(resp, ctx.echo))
+
+
+class Stream:
+    __slots__ = ("_ctx",)
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+
+    def feed(self, chunk: dict) -> bytes:
+        # The usage-only chunk exists because the gateway asked for it; pass it on only when
+        # the client asked too.
+        if not chunk.get("choices") and chunk.get("usage") and not self._ctx.include_usage:
+            return b""
+        return data_frame(strip_capture(chunk, self._ctx.echo))
+
+    def close(self) -> bytes:
+        return DONE
+
+    def fail(self, err: GatewayError) -> bytes:
+        return data_frame(
+            {
+                "error": {
+                    "message": err.message,
+                    "type": err.kind,
+                    "code": err.code,
+                    "param": err.param,
+                },
+                "created": int(time.time()),
+            }
+        )

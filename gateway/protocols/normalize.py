@@ -1,0 +1,73 @@
+"""Normalisers for per-request nonces that harnesses put into prompts.
+
+A nonce that changes on every call makes two calls of one conversation differ early in their
+token sequences, so neither vLLM's prefix cache nor the trace merger (which extends a sequence
+only on an exact token prefix) can reuse anything after it. Every protocol runs its upstream
+chat messages through `normalize_messages` before they go to vLLM; each normaliser below names
+the harness that needs it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+Messages = list[dict[str, Any]]
+
+_BILLING_PREFIX = "x-anthropic-billing-header:"
+# The whole line goes, with the line breaks after it: `cc_version` carries a per-request
+# suffix as well as `cch`, and the block separator after the line would otherwise leave the
+# system prompt starting with blank lines.
+_BILLING_LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*\n*", re.MULTILINE)
+
+
+def _strip_billing_text(text: str) -> str:
+    if _BILLING_PREFIX not in text:
+        return text
+    return _BILLING_LINE.sub("", text)
+
+
+def strip_claude_code_billing_header(messages: Messages) -> Messages:
+    """Claude Code (2.1.x) opens its system prompt with a line
+    `x-anthropic-billing-header: cc_version=2.1.117.48f; cc_entrypoint=cli; cch=71fea;` whose
+    `cch` (and version suffix) are recomputed for every request. Removed from system messages
+    only; a system message left empty is dropped."""
+    out: Messages = []
+    for message in messages:
+        if message.get("role") != "system":
+            out.append(message)
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            stripped: Any = _strip_billing_text(content)
+            keep = bool(stripped) or not content
+        elif isinstance(content, list):
+            stripped = []
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                if isinstance(text, str) and _BILLING_PREFIX in text:
+                    text = _strip_billing_text(text)
+                    if text:
+                        stripped.append({**part, "text": text})
+                else:
+                    stripped.append(part)
+            keep = bool(stripped) or not content
+        else:
+            out.append(message)
+            continue
+        if stripped is not content and keep:
+            message = {**message, "content": stripped}
+        if keep:
+            out.append(message)
+    return out
+
+
+NORMALISERS: tuple[Callable[[Messages], Messages], ...] = (strip_claude_code_billing_header,)
+
+
+def normalize_messages(messages: Messages) -> Messages:
+    """Apply every normaliser in order; returns a new list, the input is not modified."""
+    for normaliser in NORMALISERS:
+        messages = normaliser(messages)
+    return messages

@@ -1,0 +1,80 @@
+"""Pieces the OpenAI-style protocols share: the error shape, SSE `data:` framing, and removing
+the capture fields the gateway added to a request before the client sees the response."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gateway.protocols.errors import GatewayError
+
+encode = msgspec.json.encode
+
+DONE = b"data: [DONE]\n\n"
+
+
+def render_error(err: GatewayError) -> tuple[int, bytes]:
+    # OpenAI reports an overlong prompt as an invalid request with code
+    # `context_length_exceeded`; harnesses key on the code to compact their history.
+    overflow = err.kind == "context_length_exceeded"
+    return err.status, encode(
+        {
+            "error": {
+                "message": err.message,
+                "type": "invalid_request_error" if overflow else err.kind,
+                "param": err.param,
+                "code": "context_length_exceeded" if overflow else err.code,
+            }
+        }
+    )
+
+
+def data_frame(obj) -> bytes:
+    return b"data: " + encode(obj) + b"\n\n"
+
+
+class Echo(msgspec.Struct, frozen=True):
+    """Which engine-side fields the client itself asked for; everything else the gateway added
+    for capture is removed before the response leaves."""
+
+    token_ids: bool = False
+    logprobs: bool = False
+
+
+def strip_capture(obj: dict, echo: Echo) -> dict:
+    """Removes capture fields in place (top level and per choice); returns `obj`."""
+    if not echo.token_ids:
+        obj.pop("prompt_token_ids", None)
+    obj.pop("kv_transfer_params", None)
+    for choice in obj.get("choices") or ():
+        if not echo.token_ids:
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
+        if not echo.logprobs:
+            choice.pop("logprobs", None)
+    return obj
+
+
+def decode_checked(raw: bytes, shape: type, hint: str = "") -> tuple[dict, object]:
+    """The body as a dict (passed on to the engine as it is) and its checked `shape`: the fields
+    that must hold for the engine to accept it, with msgspec's path to any wrong one."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise GatewayError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, "request body must be a JSON object")
+    try:
+        return body, msgspec.convert(body, shape)
+    except msgspec.ValidationError as exc:
+        raise GatewayError(400, f"invalid request: {exc}{hint}") from None
+
+
+def check_single_choice(body: dict) -> None:
+    n = body.get("n")
+    if n not in (None, 1):
+        raise GatewayError(
+            400,
+            "`n` must be 1: every sample is recorded as its own call; send "
+            "several requests instead",
+            param="n",
+        )

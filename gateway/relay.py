@@ -1,0 +1,310 @@
+"""One model call, whatever the protocol: translate, pin sampling, forward to the rollout's
+replica, stream back while capturing, commit the record, then end the response."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+import msgspec
+import numpy as np
+from aiohttp import web
+
+from gateway.capture import Capture
+from gateway.merge import best_base
+from gateway.protocols.errors import GatewayError
+from gateway.protocols.normalize import normalize_messages
+from gateway.services import Services
+from gateway.store import calls as calls_store
+from gateway.store.tokens import IDS, LOGPROBS
+from gateway.upstream import sse_data
+
+log = logging.getLogger(__name__)
+
+# Sampling parameters a harness may ask for. They are recorded as requested and replaced by the
+# training policy's: the trainer's importance ratio is only right if the recorded logprobs are
+# those of the policy being trained.
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "logit_bias",
+    "top_logprobs",
+    "logprobs",
+)
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+
+
+def pin_sampling(body: dict, temperature: float, upstream_path: str) -> tuple[dict, dict]:
+    """Moves the harness's sampling fields out of `body` and sets the policy's; returns
+    (requested, applied)."""
+    requested = {k: body.pop(k) for k in SAMPLING_KEYS if k in body}
+    applied: dict[str, Any] = {
+        "temperature": temperature,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+    }
+    body.update(applied)
+    body["return_token_ids"] = True
+    if upstream_path.endswith("/chat/completions"):
+        body["logprobs"] = True
+        body["top_logprobs"] = 0
+    else:  # legacy completions: an integer count of alternatives, 0 = only the sampled token
+        body["logprobs"] = 0
+    if body.get("stream"):
+        body["stream_options"] = {"include_usage": True}
+    return requested, applied
+
+
+def upstream_error(status: int, raw: bytes) -> GatewayError:
+    """An engine error, in the gateway's neutral form, keeping the engine's message."""
+    try:
+        payload = _decode(raw)
+        err = payload.get("error", payload) if isinstance(payload, dict) else {}
+        message = err.get("message") or raw.decode(errors="replace")
+    except msgspec.DecodeError:
+        message = raw.decode(errors="replace")[:2000]
+    lowered = message.lower()
+    if any(w in lowered for w in ("context length", "maximum context", "too long", "input length")):
+        return GatewayError(400, message, "context_length_exceeded", code="context_length_exceeded")
+    if 400 <= status < 500:
+        kind = "not_found_error" if status == 404 else "invalid_request_error"
+        return GatewayError(status, message, kind)
+    return GatewayError(502, f"upstream error {status}: {message}", "upstream_error")
+
+
+class _Call:
+    """The state of one call while it runs."""
+
+    def __init__(
+        self,
+        svc: Services,
+        rollout_id: uuid.UUID,
+        protocol: str,
+        raw: bytes,
+        user_agent: str | None,
+    ) -> None:
+        self.svc = svc
+        self.id = uuid.uuid4()
+        self.rollout_id = rollout_id
+        self.protocol = protocol
+        self.raw = raw
+        self.user_agent = user_agent
+        self.started = time.perf_counter()
+        self.ttft_ms: float | None = None
+        self.capture = Capture()
+        self.upstream: str | None = None
+        self.model: str | None = None
+        self.requested: dict = {}
+        self.applied: dict = {}
+        self.offered_tools = False
+        # For stateful protocols: response object -> what to store for later continuation.
+        self.state = None
+        self.state_source = None  # the response object (or its bytes) given to the client
+
+    async def record(self, status: str, error: str | None = None) -> None:
+        svc = self.svc
+        cap = self.capture
+        prompt = np.asarray(cap.prompt_ids or (), dtype=IDS)
+        completion = np.frombuffer(cap.completion_ids, dtype=np.int32).astype(IDS, copy=False)
+        candidates = svc.recent.get(self.rollout_id)
+        if candidates is None:
+            async with svc.pool.acquire() as conn:
+                candidates = await calls_store.recent_full_ids(
+                    conn, self.rollout_id, svc.recent.per_rollout
+                )
+            svc.recent.load(self.rollout_id, candidates)
+        base_id, prefix_len = best_base(prompt, candidates) if len(prompt) else (None, 0)
+        if len(prompt):
+            svc.recent.add(self.rollout_id, self.id, np.concatenate((prompt, completion)))
+        response_summary = {
+            "message": cap.message(),
+            "finish_reason": cap.finish_reason,
+            "usage": cap.usage,
+        }
+        response_id = None
+        if self.state is not None and self.state_source is not None and status == "ok":
+            response_summary.update(self.state(self.state_source))
+            response_id = response_summary["response_id"]
+        rec = calls_store.CallRecord(
+            id=self.id,
+            rollout_id=self.rollout_id,
+            protocol=self.protocol,
+            status=status,
+            base_id=base_id,
+            prefix_len=prefix_len,
+            prompt_len=len(prompt),
+            prompt_delta=prompt[prefix_len:].tobytes(),
+            completion_ids=completion.tobytes(),
+            logprobs=np.frombuffer(cap.logprobs, dtype=np.float32)
+            .astype(LOGPROBS, copy=False)
+            .tobytes(),
+            versions=cap.versions().astype(IDS, copy=False).tobytes(),
+            finish_reason=cap.finish_reason,
+            offered_tools=self.offered_tools,
+            model=self.model,
+            requested=self.requested,
+            applied=self.applied,
+            request_body=svc.compress(self.raw) if svc.config.record_bodies else None,
+            # Kept even without --record-bodies when it carries conversation state a later
+            # request may continue from.
+            response_body=svc.compress(_encode(response_summary))
+            if svc.config.record_bodies or response_id
+            else None,
+            upstream=self.upstream,
+            latency_ms=(time.perf_counter() - self.started) * 1000,
+            ttft_ms=self.ttft_ms,
+            error=error,
+            user_agent=self.user_agent,
+            response_id=response_id,
+        )
+        await svc.recorder.record(rec)
+
+
+async def relay(
+    request: web.Request, proto, raw: bytes, rollout_id: uuid.UUID
+) -> web.StreamResponse:
+    """Serve one harness call through `proto` (a module of gateway.protocols)."""
+    svc: Services = request.app["services"]
+    req = proto.parse_request(raw)
+    stateful = hasattr(proto, "stored_state")  # protocols with server-side conversations
+    if stateful:
+        prev_id = proto.previous_id(req)
+        history = await _conversation(svc, rollout_id, prev_id) if prev_id else None
+        body, ctx = proto.to_upstream(req, history)
+    else:
+        body, ctx = proto.to_upstream(req)
+    await svc.check_model(ctx.model)
+    call = _Call(svc, rollout_id, proto.NAME, raw, request.headers.get("User-Agent"))
+    call.model = ctx.model
+    if "messages" in body:
+        body["messages"] = normalize_messages(body["messages"])
+    if stateful:
+        call.state = lambda resp_body: proto.stored_state(req, ctx, resp_body)
+    call.offered_tools = bool(body.get("tools"))
+    call.requested, call.applied = pin_sampling(body, svc.config.temperature, proto.UPSTREAM_PATH)
+    body["model"] = ctx.model
+    call.upstream = svc.upstreams.pick(rollout_id)
+    version_at_start = svc.policy_version
+
+    try:
+        resp = await svc.upstreams.post(call.upstream, proto.UPSTREAM_PATH, _encode(body))
+    except GatewayError as err:
+        await call.record("failed", err.message)
+        raise
+    async with resp:
+        if resp.status != 200:
+            err = upstream_error(resp.status, await resp.read())
+            await call.record("failed", err.message)
+            raise err
+        if not body.get("stream"):
+            return await _whole(request, proto, ctx, call, resp, version_at_start)
+        return await _streamed(request, proto, ctx, call, resp)
+
+
+async def _whole(request, proto, ctx, call: _Call, resp, version_at_start: int) -> web.Response:
+    payload = _decode(await resp.read())
+    # The tokens were sampled under the version live at the start or the one at the end: stamp
+    # the older, so staleness is never underestimated.
+    call.capture.add_response(payload, min(version_at_start, call.svc.policy_version))
+    call.ttft_ms = (time.perf_counter() - call.started) * 1000
+    problem = call.capture.check()
+    out = proto.from_upstream(payload, ctx) if problem is None else b""
+    call.state_source = out
+    await call.record("ok" if problem is None else "failed", problem)
+    if problem is not None:
+        raise GatewayError(
+            502, f"engine response unusable for training: {problem}", "upstream_error"
+        )
+    return web.Response(body=out, content_type="application/json")
+
+
+async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamResponse:
+    svc = call.svc
+    out = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await out.prepare(request)
+    stream = proto.Stream(ctx)
+    cap = call.capture
+    failure: GatewayError | None = None
+    try:
+        async for data in sse_data(resp):
+            if data == b"[DONE]":
+                break
+            chunk = _decode(data)
+            if "error" in chunk and not chunk.get("choices"):
+                e = chunk["error"]
+                failure = upstream_error(e.get("code") or 500, _encode(chunk))
+                break
+            cap.add_chunk(chunk, svc.policy_version)
+            if call.ttft_ms is None and len(cap.completion_ids):
+                call.ttft_ms = (time.perf_counter() - call.started) * 1000
+            try:
+                piece = stream.feed(chunk)
+            except GatewayError as err:  # the protocol cannot express what the engine sent
+                failure = err
+                break
+            if piece:
+                await out.write(piece)
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
+        # The client went away: closing the upstream response aborts the engine's request.
+        resp.close()
+        await call.record("aborted", "client disconnected")
+        raise
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        failure = GatewayError(
+            502, f"upstream stream broke: {exc or type(exc).__name__}", "upstream_error"
+        )
+    if failure is None and cap.finish_reason in ("abort", "error"):
+        failure = GatewayError(
+            502, f"engine ended the response with {cap.finish_reason!r}", "upstream_error"
+        )
+    if failure is not None:
+        resp.close()  # stop the engine if it is still generating
+    if failure is None and call.state is not None:
+        call.state_source = stream.response()
+    if failure is None:
+        problem = cap.check()
+        if problem is not None:
+            failure = GatewayError(
+                502, f"engine response unusable for training: {problem}", "upstream_error"
+            )
+    await call.record(
+        "ok" if failure is None else "failed", None if failure is None else failure.message
+    )
+    try:
+        await out.write(stream.close() if failure is None else stream.fail(failure))
+        await out.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        pass  # recorded already; the client left after the last token
+    return out
+
+
+async def _conversation(svc: Services, rollout_id: uuid.UUID, response_id: str) -> list | None:
+    """The stored items of a response chain, oldest first; None if `response_id` is not a
+    response of this rollout (a rollout never reads another's records)."""
+    chain: list[list] = []
+    async with svc.pool.acquire() as conn:
+        while response_id:
+            state = await calls_store.response_state(conn, rollout_id, response_id)
+            if state is None:
+                return None if not chain else [i for items in reversed(chain) for i in items]
+            chain.append(state["items"])
+            response_id = state.get("previous_response_id")
+    return [item for items in reversed(chain) for item in items]

@@ -1,0 +1,177 @@
+"""The `calls` table: one row per model call, written in group commits, read back whole."""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+import asyncpg
+import msgspec
+import numpy as np
+import zstandard
+
+from gateway.store.tokens import (
+    StoredTokens,
+    ids_from_bytes,
+    logprobs_from_bytes,
+    reconstruct_prompts,
+)
+
+
+class CallRecord(msgspec.Struct, kw_only=True):
+    """Everything recorded about one call, in storage form (token arrays as bytes)."""
+
+    id: UUID
+    rollout_id: UUID
+    protocol: str
+    status: str  # ok | aborted | failed
+    base_id: UUID | None
+    prefix_len: int
+    prompt_len: int
+    prompt_delta: bytes
+    completion_ids: bytes
+    logprobs: bytes
+    versions: bytes
+    finish_reason: str | None
+    offered_tools: bool
+    model: str | None
+    requested: dict
+    applied: dict
+    request_body: bytes | None  # zstd
+    response_body: bytes | None  # zstd
+    upstream: str | None
+    latency_ms: float
+    ttft_ms: float | None
+    error: str | None
+    user_agent: str | None
+    response_id: str | None = None
+
+
+# The rollout row lock taken by the UPDATE numbers a rollout's calls in commit order, also when
+# several gateways record calls of one rollout at once.
+INSERT = """
+WITH bump AS (
+    UPDATE rollouts SET call_count = call_count + 1 WHERE id = $2 RETURNING call_count
+)
+INSERT INTO calls (
+    id, rollout_id, seq, protocol, status, base_id, prefix_len, prompt_len, prompt_delta,
+    completion_ids, logprobs, versions, finish_reason, offered_tools, model, requested, applied,
+    request_body, response_body, upstream, latency_ms, ttft_ms, error, user_agent, response_id
+)
+SELECT $1, $2, bump.call_count, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
+       $17, $18, $19, $20, $21, $22, $23, $24
+FROM bump
+"""
+
+
+def insert_args(r: CallRecord) -> tuple:
+    return (
+        r.id,
+        r.rollout_id,
+        r.protocol,
+        r.status,
+        r.base_id,
+        r.prefix_len,
+        r.prompt_len,
+        r.prompt_delta,
+        r.completion_ids,
+        r.logprobs,
+        r.versions,
+        r.finish_reason,
+        r.offered_tools,
+        r.model,
+        r.requested,
+        r.applied,
+        r.request_body,
+        r.response_body,
+        r.upstream,
+        r.latency_ms,
+        r.ttft_ms,
+        r.error,
+        r.user_agent,
+        r.response_id,
+    )
+
+
+_TOKEN_COLUMNS = "id, base_id, prefix_len, prompt_delta, completion_ids"
+
+
+async def rollout_tokens(conn: asyncpg.Connection, rollout_id: UUID) -> list[StoredTokens]:
+    rows = await conn.fetch(
+        f"SELECT {_TOKEN_COLUMNS} FROM calls WHERE rollout_id = $1 ORDER BY seq", rollout_id
+    )
+    return [StoredTokens(*r) for r in rows]
+
+
+async def recent_full_ids(
+    conn: asyncpg.Connection, rollout_id: UUID, limit: int
+) -> list[tuple[UUID, np.ndarray]]:
+    """(call id, prompt + completion ids) of the rollout's last `limit` calls, oldest first."""
+    stored = await rollout_tokens(conn, rollout_id)
+    prompts = reconstruct_prompts(stored)
+    return [(s.id, np.concatenate((prompts[s.id], s.completion_ids))) for s in stored[-limit:]]
+
+
+_dctx = zstandard.ZstdDecompressor()
+
+
+def decompress_json(raw: bytes | None):
+    return None if raw is None else msgspec.json.decode(_dctx.decompress(raw))
+
+
+async def rollout_calls(
+    conn: asyncpg.Connection, rollout_id: UUID, with_tokens: bool, with_bodies: bool
+) -> list[dict]:
+    """The rollout's calls as the admin API returns them (field names are public API)."""
+    rows = await conn.fetch("SELECT * FROM calls WHERE rollout_id = $1 ORDER BY seq", rollout_id)
+    prompts = (
+        reconstruct_prompts(
+            StoredTokens(
+                r["id"], r["base_id"], r["prefix_len"], r["prompt_delta"], r["completion_ids"]
+            )
+            for r in rows
+        )
+        if with_tokens
+        else {}
+    )
+    out = []
+    for r in rows:
+        call = {
+            "call_id": str(r["id"]),
+            "seq": r["seq"],
+            "protocol": r["protocol"],
+            "status": r["status"],
+            "finish_reason": r["finish_reason"],
+            "model": r["model"],
+            "prompt_tokens": r["prompt_len"],
+            "completion_tokens": len(r["completion_ids"]) // 4,
+            "stored_prompt_tokens": len(r["prompt_delta"]) // 4,
+            "base_call_id": str(r["base_id"]) if r["base_id"] else None,
+            "offered_tools": r["offered_tools"],
+            "upstream": r["upstream"],
+            "latency_ms": r["latency_ms"],
+            "ttft_ms": r["ttft_ms"],
+            "error": r["error"],
+            "user_agent": r["user_agent"],
+            "requested": r["requested"],
+            "applied": r["applied"],
+            "created_at": r["created_at"].isoformat(),
+        }
+        if with_tokens:
+            call["prompt_ids"] = prompts[r["id"]].tolist()
+            call["completion_ids"] = ids_from_bytes(r["completion_ids"]).tolist()
+            call["logprobs"] = logprobs_from_bytes(r["logprobs"]).tolist()
+            call["versions"] = ids_from_bytes(r["versions"]).tolist()
+        if with_bodies:
+            call["request"] = decompress_json(r["request_body"])
+            call["response"] = decompress_json(r["response_body"])
+        out.append(call)
+    return out
+
+
+async def response_state(conn: asyncpg.Connection, rollout_id: UUID, response_id: str):
+    """The stored summary of the call that produced `response_id` in this rollout, or None."""
+    raw = await conn.fetchval(
+        "SELECT response_body FROM calls WHERE rollout_id = $1 AND response_id = $2",
+        rollout_id, response_id,
+    )
+    return decompress_json(raw)

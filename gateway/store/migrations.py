@@ -1,0 +1,123 @@
+"""Versioned schema migrations, applied at start-up under an advisory lock (idempotent, and safe
+when several gateways start at once against one database)."""
+
+from __future__ import annotations
+
+import asyncpg
+
+# Append only: a released migration is never edited, a change is a new entry.
+MIGRATIONS: list[tuple[int, str]] = [
+    (
+        1,
+        """
+        CREATE TABLE rollouts (
+            id            uuid PRIMARY KEY,
+            key_hash      bytea NOT NULL UNIQUE,
+            task_id       text,
+            group_id      text,
+            metadata      jsonb NOT NULL DEFAULT '{}',
+            status        text NOT NULL DEFAULT 'running'
+                          CHECK (status IN ('running', 'finished', 'failed', 'timeout')),
+            reward        double precision,
+            metrics       jsonb,
+            call_count    integer NOT NULL DEFAULT 0,
+            created_at    timestamptz NOT NULL DEFAULT now(),
+            deadline      timestamptz,
+            finished_at   timestamptz,
+            -- merge: set when the rollout's calls have been merged into traces
+            harness       text,
+            merge_stats   jsonb,
+            merge_options jsonb,
+            merged_at     timestamptz,
+            -- trainer bridge: a lease while a bridge turns the rollout into samples, and the
+            -- moment its samples reached a trainer's queue
+            lease_owner   text,
+            lease_until   timestamptz,
+            consumed_at   timestamptz
+        );
+        CREATE INDEX rollouts_group ON rollouts (group_id);
+        CREATE INDEX rollouts_running_deadline ON rollouts (deadline) WHERE status = 'running';
+        CREATE INDEX rollouts_unconsumed ON rollouts (finished_at)
+            WHERE merged_at IS NOT NULL AND consumed_at IS NULL;
+
+        -- Token arrays are little-endian int32 (ids, versions) and float32 (logprobs) bytes:
+        -- 4 bytes a token, read back with numpy.frombuffer without parsing.
+        -- A call stores only the prompt tokens past `prefix_len` tokens of its base call's
+        -- prompt + completion (linear storage); `prompt_len` is the full length.
+        CREATE TABLE calls (
+            id             uuid PRIMARY KEY,
+            rollout_id     uuid NOT NULL REFERENCES rollouts (id),
+            seq            integer NOT NULL,
+            protocol       text NOT NULL,
+            status         text NOT NULL CHECK (status IN ('ok', 'aborted', 'failed')),
+            base_id        uuid REFERENCES calls (id),
+            prefix_len     integer NOT NULL DEFAULT 0,
+            prompt_len     integer NOT NULL,
+            prompt_delta   bytea NOT NULL,
+            completion_ids bytea NOT NULL,
+            logprobs       bytea NOT NULL,
+            versions       bytea NOT NULL,
+            finish_reason  text,
+            offered_tools  boolean NOT NULL DEFAULT false,
+            model          text,
+            requested      jsonb NOT NULL DEFAULT '{}',
+            applied        jsonb NOT NULL DEFAULT '{}',
+            request_body   bytea,
+            response_body  bytea,
+            upstream       text,
+            latency_ms     real,
+            ttft_ms        real,
+            error          text,
+            user_agent     text,
+            response_id    text,  -- the protocol's own id, for `previous_response_id` lookups
+            created_at     timestamptz NOT NULL DEFAULT now(),
+            UNIQUE (rollout_id, seq)
+        );
+        CREATE INDEX calls_response_id ON calls (response_id) WHERE response_id IS NOT NULL;
+
+        -- One row per merged sequence (a root-to-leaf path of a rollout's call tree).
+        CREATE TABLE traces (
+            rollout_id  uuid NOT NULL REFERENCES rollouts (id),
+            idx         integer NOT NULL,
+            input_ids   bytea NOT NULL,
+            loss_mask   bytea NOT NULL,  -- uint8
+            logprobs    bytea NOT NULL,
+            versions    bytea NOT NULL,
+            call_ids    uuid[] NOT NULL,
+            cause       text NOT NULL,
+            auxiliary   boolean NOT NULL,
+            excluded    boolean NOT NULL,
+            PRIMARY KEY (rollout_id, idx)
+        );
+
+        CREATE TABLE policy (
+            singleton  boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+            version    integer NOT NULL,
+            updated_at timestamptz NOT NULL DEFAULT now()
+        );
+        INSERT INTO policy (version) VALUES (0);
+        """,
+    ),
+]
+
+_LOCK_ID = 0x726F6C6C746170  # "rolltap"
+
+
+async def migrate(conn: asyncpg.Connection) -> int:
+    """Bring the schema to the newest version; returns that version."""
+    await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_ID)
+    try:
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations ("
+            " version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        done = {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+        for version, sql in MIGRATIONS:
+            if version in done:
+                continue
+            async with conn.transaction():
+                await conn.execute(sql)
+                await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", version)
+        return MIGRATIONS[-1][0]
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock($1)", _LOCK_ID)

@@ -1,0 +1,79 @@
+"""The `rollouts` and `policy` tables."""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+import asyncpg
+
+
+async def create(
+    conn: asyncpg.Connection,
+    rollout_id: UUID,
+    key_hash: bytes,
+    task_id: str | None,
+    group_id: str | None,
+    metadata: dict,
+    timeout_s: float | None,
+) -> None:
+    await conn.execute(
+        "INSERT INTO rollouts (id, key_hash, task_id, group_id, metadata, deadline)"
+        " VALUES ($1, $2, $3, $4, $5,"
+        "         CASE WHEN $6::float8 IS NULL THEN NULL"
+        "              ELSE now() + make_interval(secs => $6::float8) END)",
+        rollout_id,
+        key_hash,
+        task_id,
+        group_id,
+        metadata,
+        timeout_s,
+    )
+
+
+async def by_key_hash(conn: asyncpg.Connection, key_hash: bytes) -> asyncpg.Record | None:
+    return await conn.fetchrow("SELECT id, status FROM rollouts WHERE key_hash = $1", key_hash)
+
+
+async def get(conn: asyncpg.Connection, rollout_id: UUID) -> asyncpg.Record | None:
+    return await conn.fetchrow(
+        "SELECT id, task_id, group_id, metadata, status, reward, metrics, call_count,"
+        " created_at, deadline, finished_at, harness, merge_stats, merge_options, merged_at"
+        " FROM rollouts WHERE id = $1",
+        rollout_id,
+    )
+
+
+async def finish(
+    conn: asyncpg.Connection,
+    rollout_id: UUID,
+    status: str,
+    reward: float | None,
+    metrics: dict | None,
+) -> bool:
+    """Ends a running rollout; False when it was not running (already ended or unknown)."""
+    done = await conn.fetchval(
+        "UPDATE rollouts SET status = $2, reward = $3, metrics = $4, finished_at = now()"
+        " WHERE id = $1 AND status = 'running' RETURNING true",
+        rollout_id,
+        status,
+        reward,
+        metrics,
+    )
+    return bool(done)
+
+
+async def expire_overdue(conn: asyncpg.Connection) -> list[UUID]:
+    """Ends every running rollout past its deadline as `timeout` (unscorable)."""
+    rows = await conn.fetch(
+        "UPDATE rollouts SET status = 'timeout', finished_at = now()"
+        " WHERE status = 'running' AND deadline < now() RETURNING id"
+    )
+    return [r["id"] for r in rows]
+
+
+async def policy_version(conn: asyncpg.Connection) -> int:
+    return await conn.fetchval("SELECT version FROM policy")
+
+
+async def set_policy_version(conn: asyncpg.Connection, version: int) -> None:
+    await conn.execute("UPDATE policy SET version = $1, updated_at = now()", version)

@@ -1,0 +1,131 @@
+"""The `traces` table (merged sequences) and the merge bookkeeping on `rollouts`."""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+import asyncpg
+import numpy as np
+
+from gateway.store.tokens import IDS, LOGPROBS, ids_from_bytes, logprobs_from_bytes
+
+# Announced once a finished rollout's traces are stored: what a trainer bridge waits for.
+FINISHED_CHANNEL = "rolltap_rollout_finished"
+
+
+async def merge_inputs(conn: asyncpg.Connection, rollout_id: UUID) -> list[asyncpg.Record]:
+    return await conn.fetch(
+        "SELECT id, seq, base_id, prefix_len, prompt_delta, completion_ids, logprobs, versions,"
+        " status, offered_tools, user_agent FROM calls WHERE rollout_id = $1 ORDER BY seq",
+        rollout_id,
+    )
+
+
+async def replace(
+    conn: asyncpg.Connection,
+    rollout_id: UUID,
+    sequences,
+    stats: dict,
+    options: dict,
+    harness: str | None,
+) -> None:
+    """Stores a merge result in place of any earlier one (merging is idempotent)."""
+    await conn.execute("DELETE FROM traces WHERE rollout_id = $1", rollout_id)
+    await conn.executemany(
+        "INSERT INTO traces (rollout_id, idx, input_ids, loss_mask, logprobs, versions,"
+        " call_ids, cause, auxiliary, excluded) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+        [
+            (
+                rollout_id,
+                idx,
+                s.input_ids.astype(IDS, copy=False).tobytes(),
+                s.loss_mask.astype(np.uint8, copy=False).tobytes(),
+                s.logprobs.astype(LOGPROBS, copy=False).tobytes(),
+                s.versions.astype(IDS, copy=False).tobytes(),
+                [UUID(c) for c in s.call_ids],
+                s.cause,
+                s.auxiliary,
+                s.excluded,
+            )
+            for idx, s in enumerate(sequences)
+        ],
+    )
+    await conn.execute(
+        "UPDATE rollouts SET merge_stats = $2, merge_options = $3, harness = $4,"
+        " merged_at = now() WHERE id = $1",
+        rollout_id,
+        stats,
+        options,
+        harness,
+    )
+    await conn.execute("SELECT pg_notify($1, $2)", FINISHED_CHANNEL, str(rollout_id))
+
+
+class StoredTrace:
+    """One merged sequence read back, arrays as numpy views of the stored bytes."""
+
+    __slots__ = (
+        "auxiliary",
+        "call_ids",
+        "cause",
+        "excluded",
+        "input_ids",
+        "logprobs",
+        "loss_mask",
+        "versions",
+    )
+
+    def __init__(self, row: asyncpg.Record) -> None:
+        self.input_ids = ids_from_bytes(row["input_ids"])
+        self.loss_mask = np.frombuffer(row["loss_mask"], dtype=np.uint8)
+        self.logprobs = logprobs_from_bytes(row["logprobs"])
+        self.versions = ids_from_bytes(row["versions"])
+        self.call_ids = [str(c) for c in row["call_ids"]]
+        self.cause = row["cause"]
+        self.auxiliary = row["auxiliary"]
+        self.excluded = row["excluded"]
+
+    def to_dict(self) -> dict:
+        return {
+            "input_ids": self.input_ids.tolist(),
+            "loss_mask": self.loss_mask.tolist(),
+            "logprobs": self.logprobs.tolist(),
+            "versions": self.versions.tolist(),
+            "call_ids": self.call_ids,
+            "cause": self.cause,
+            "auxiliary": self.auxiliary,
+            "excluded": self.excluded,
+        }
+
+
+async def fetch(conn: asyncpg.Connection, rollout_id: UUID) -> list[StoredTrace]:
+    rows = await conn.fetch("SELECT * FROM traces WHERE rollout_id = $1 ORDER BY idx", rollout_id)
+    return [StoredTrace(r) for r in rows]
+
+
+async def unmerged(conn: asyncpg.Connection, limit: int = 16) -> list[UUID]:
+    """Ended rollouts whose merge has not happened (a gateway died between finish and merge)."""
+    rows = await conn.fetch(
+        "SELECT id FROM rollouts WHERE status <> 'running' AND merged_at IS NULL"
+        " ORDER BY finished_at LIMIT $1",
+        limit,
+    )
+    return [r["id"] for r in rows]
+
+
+async def harness_metrics(conn: asyncpg.Connection) -> list[asyncpg.Record]:
+    """Merge statistics summed per harness (from the user agent of each rollout's calls)."""
+    return await conn.fetch(
+        """
+        SELECT coalesce(harness, 'unknown') AS harness, count(*) AS rollouts,
+               sum((merge_stats->>'calls')::int) AS calls,
+               sum((merge_stats->>'sequences')::int) AS sequences,
+               sum((merge_stats->>'trained_tokens')::bigint)::bigint AS trained_tokens,
+               sum((merge_stats->>'lost_tokens')::bigint)::bigint AS lost_tokens,
+               sum((merge_stats->'causes'->>'drift')::int) AS drift,
+               sum((merge_stats->'causes'->>'rewrite')::int) AS rewrite,
+               sum((merge_stats->'causes'->>'independent')::int) AS independent,
+               sum((merge_stats->'causes'->>'abandoned')::int) AS abandoned
+        FROM rollouts WHERE merged_at IS NOT NULL GROUP BY 1 ORDER BY 1
+        """
+    )

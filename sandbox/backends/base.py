@@ -1,0 +1,99 @@
+"""What a sandbox backend is given and what it returns. Both are plain msgspec records so a
+backend can run the sandbox on another machine (Ray) and send the result back."""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+import msgspec
+
+from sandbox.presets import Harness
+from sandbox.process import ProcessOutcome
+from sandbox.tasks import Task
+from sandbox.verifier import VerifierResult
+
+CrashReward = Literal["zero", "null", "verify"]
+SandboxStatus = Literal["ok", "crashed", "timeout", "setup_failed"]
+GatewayStatus = Literal["finished", "failed", "timeout"]
+
+ERROR_TAIL = 2000
+
+
+class RolloutAccess(msgspec.Struct, frozen=True):
+    """What the harness gets from the gateway: its rollout's key and the base URLs. Never the
+    admin key."""
+
+    rollout_id: str
+    api_key: str
+    openai_base_url: str
+    anthropic_base_url: str
+
+
+class SandboxRequest(msgspec.Struct, frozen=True):
+    task: Task
+    harness: Harness
+    access: RolloutAccess
+    # What a crashed or timed-out agent scores: 0.0, None (unscorable), or whatever the
+    # verifier finds in the workdir it left.
+    crash_reward: CrashReward = "zero"
+
+
+class SandboxResult(msgspec.Struct, frozen=True):
+    status: SandboxStatus
+    reward: float | None
+    reward_detail: str
+    host: str
+    agent: ProcessOutcome | None = None
+    setup: ProcessOutcome | None = None
+    verifier: VerifierResult | None = None
+
+    @property
+    def gateway_status(self) -> GatewayStatus:
+        return {"ok": "finished", "timeout": "timeout"}.get(self.status, "failed")
+
+    def metrics(self) -> dict:
+        """What the runner posts with the reward: enough to tell why a rollout scored what it
+        did without the sandbox."""
+        m: dict = {"sandbox_status": self.status, "reward_detail": self.reward_detail,
+                   "host": self.host}
+        failed = self.agent if self.status != "setup_failed" else self.setup
+        if self.agent is not None:
+            m |= {
+                "exit_code": self.agent.exit_code,
+                "agent_s": round(self.agent.duration_s, 3),
+                "stdout_bytes": self.agent.stdout_bytes,
+                "stderr_bytes": self.agent.stderr_bytes,
+                "output_truncated": self.agent.output_truncated,
+                "peak_pids": self.agent.peak_pids,
+            }
+        if self.verifier is not None:
+            m |= {
+                "verifier_s": round(self.verifier.duration_s, 3),
+                "verifier_status": self.verifier.status,
+                "tests_passed": self.verifier.passed,
+                "tests_total": self.verifier.total,
+            }
+        if self.status != "ok" and failed is not None:
+            m["stderr_tail"] = failed.stderr[-ERROR_TAIL:]
+        return m
+
+
+def decide_reward(
+    status: SandboxStatus, crash_reward: CrashReward, verifier: VerifierResult | None
+) -> tuple[float | None, str]:
+    """The rollout's reward from how the agent ended and what the verifier found. Pure."""
+    if status == "setup_failed":
+        return None, "task setup failed"
+    if status == "ok" or crash_reward == "verify":
+        assert verifier is not None, "the verifier runs whenever its result is used"
+        prefix = "" if status == "ok" else f"agent {status}; "
+        return verifier.reward, prefix + verifier.detail
+    return (0.0 if crash_reward == "zero" else None), f"agent {status}"
+
+
+def needs_verifier(status: SandboxStatus, crash_reward: CrashReward) -> bool:
+    return status == "ok" or (status != "setup_failed" and crash_reward == "verify")
+
+
+class Backend(Protocol):
+    async def run(self, request: SandboxRequest) -> SandboxResult: ...

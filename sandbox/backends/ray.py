@@ -1,0 +1,56 @@
+"""Run each sandbox as a Ray task, so rollouts spread over a cluster.
+
+The Ray task runs the same LocalBackend on whichever node Ray picks; request and result are
+plain records (the task's files travel inside the request, so nodes need no shared disk). The
+gateway URLs in the request must be reachable from the nodes. The admin key is never part of a
+request. Cancelling `run` cancels the Ray task, which interrupts the worker's event loop and so
+kills the sandbox's processes like a local cancellation does.
+
+Needs the `ray` extra (`pip install 'rolltap[ray]'`); imported only when this backend is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from sandbox.backends.base import SandboxRequest, SandboxResult
+from sandbox.backends.local import LocalBackend
+
+
+def run_in_worker(request: SandboxRequest, local_options: dict[str, Any]) -> SandboxResult:
+    return asyncio.run(LocalBackend(**local_options).run(request))
+
+
+class RayBackend:
+    def __init__(
+        self,
+        *,
+        address: str | None = None,
+        num_cpus: float = 1.0,
+        init_options: dict[str, Any] | None = None,
+        **local_options: Any,
+    ) -> None:
+        """`address`: a running cluster ("auto", "ray://host:10001"); None starts a local Ray
+        unless one is initialised already. `num_cpus`: CPUs a sandbox reserves, which bounds
+        how many run per node. `local_options`: passed to LocalBackend on the node."""
+        import ray
+
+        self._ray = ray
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=address, **(init_options or {}))
+        self._remote = ray.remote(num_cpus=num_cpus, max_retries=0)(run_in_worker)
+        self._local_options = local_options
+
+    async def run(self, request: SandboxRequest) -> SandboxResult:
+        ref = self._remote.remote(request, self._local_options)
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            self._ray.cancel(ref)
+            raise
+
+    def close(self) -> None:
+        if self._owns_ray:
+            self._ray.shutdown()

@@ -1,0 +1,219 @@
+"""`rolltap demo`: the whole stack on this machine, from nothing, on the CPU.
+
+Builds the tiny model offline, starts vLLM (CPU build), the gateway with its embedded Postgres,
+then plays a multi-turn, tool-using conversation through the gateway with the official `openai`
+SDK as one rollout, finishes it with a reward, and shows what was recorded: the engine's token
+ids, logprobs and policy versions of every call, and how the calls merged into training
+sequences. Every part is a separate process driven over HTTP, exactly as in a deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEMO_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "run_tests",
+        "description": "Run the project's tests and report the result",
+        "parameters": {
+            "type": "object",
+            "properties": {"suite": {"type": "string", "enum": ["unit", "integration"]}},
+            "required": ["suite"],
+            "additionalProperties": False,
+        },
+        # Strict: vLLM holds the arguments to the schema, so even a random model calls validly.
+        "strict": True,
+    },
+}
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="run the whole stack on this machine (tiny model, vLLM, gateway, Postgres)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--dir", type=Path, default=Path("runs/demo"),
+                        help="working directory for the model, logs and database "
+                        "(default: %(default)s)")
+    parser.add_argument("--turns", type=int, default=3, help="tool-using turns (default 3)")
+    parser.set_defaults(func=run)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _step(text: str) -> None:
+    print(f"\n== {text}", flush=True)
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, what: str, timeout: float) -> None:
+    import httpx
+
+    started = time.monotonic()
+    last = 0.0
+    while time.monotonic() - started < timeout:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise SystemExit(f"{what} exited with code {proc.returncode}; log {log}:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                print(f"   {what} ready after {time.monotonic() - started:.0f} s", flush=True)
+                return
+        if time.monotonic() - last > 10:
+            last = time.monotonic()
+            print(f"   waiting for {what} ({time.monotonic() - started:.0f} s) …", flush=True)
+        time.sleep(0.5)
+    raise SystemExit(f"{what} not ready after {timeout:.0f} s; see {log}")
+
+
+class _Processes:
+    """Child processes of the demo, each in its own process group, stopped in reverse order."""
+
+    def __init__(self) -> None:
+        self._procs: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], log: Path) -> subprocess.Popen:
+        proc = subprocess.Popen(args, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self._procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self._procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _conversation(base_url: str, api_key: str, model: str, turns: int) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=300)
+    messages = [
+        {"role": "system", "content": "You are a coding agent. Use the tools to check your work."},
+        {"role": "user", "content": "Fix the failing test in calc.py, then tell me what you did."},
+    ]
+    for turn in range(turns):
+        msg = client.chat.completions.create(
+            model=model, messages=messages, tools=[DEMO_TOOL], max_tokens=300,
+            tool_choice={"type": "function", "function": {"name": "run_tests"}},
+            parallel_tool_calls=False,
+        ).choices[0].message
+        call = msg.tool_calls[0]
+        print(f"   turn {turn + 1}: model called {call.function.name}"
+              f"({call.function.arguments.strip()})", flush=True)
+        messages.append({"role": "assistant", "content": msg.content,
+                         "tool_calls": [call.model_dump()]})
+        result = "2 passed" if turn == turns - 1 else f"1 failed, {turn + 1} passed"
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    print("   final turn (streamed): ", end="", flush=True)
+    stream = client.chat.completions.create(model=model, messages=messages, tools=[DEMO_TOOL],
+                                            tool_choice="none", max_tokens=40, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            print(chunk.choices[0].delta.content, end="", flush=True)
+    print(flush=True)
+
+
+def _show_calls(admin, upstream: str, rollout_id: str) -> None:
+    import httpx
+    import numpy as np
+
+    calls = admin.get(f"/admin/rollouts/{rollout_id}/calls").json()["calls"]
+    print(f"   {'seq':>3} {'status':6} {'prompt':>6} {'stored':>6} {'sampled':>7} "
+          f"{'finish':10} {'mean lp':>8} {'versions':8}  decoded excerpt")
+    for c in calls:
+        lp = np.asarray(c["logprobs"])
+        text = httpx.post(upstream + "/detokenize", timeout=30,
+                          json={"model": c["model"], "tokens": c["completion_ids"][:24]}
+                          ).json().get("prompt", "")
+        versions = sorted(set(c["versions"]))
+        print(f"   {c['seq']:>3} {c['status']:6} {c['prompt_tokens']:>6} "
+              f"{c['stored_prompt_tokens']:>6} {len(c['completion_ids']):>7} "
+              f"{c['finish_reason'] or '-':10} {lp.mean() if lp.size else 0:8.3f} "
+              f"{str(versions):8}  {json.dumps(text)[:48]}")
+    print("   (prompt = engine prompt tokens; stored = prompt tokens kept after the shared "
+          "prefix with an earlier call)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    workdir: Path = args.dir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    rolltap = [sys.executable, "-m", "gateway.cli"]
+    procs = _Processes()
+    admin_key = secrets.token_urlsafe(16)
+    try:
+        model_dir = workdir / "model"
+        _step(f"1/5 tiny model (offline) in {model_dir}")
+        if not (model_dir / "model.safetensors").exists():
+            subprocess.run([*rolltap, "tiny-model", str(model_dir)], check=True)
+        else:
+            print("   already built")
+
+        vllm_port, gw_port = _free_port(), _free_port()
+        upstream = f"http://127.0.0.1:{vllm_port}"
+        _step(f"2/5 vLLM (CPU build) on {upstream}; log {workdir / 'vllm.log'}")
+        vllm = procs.start([*rolltap, "serve-model", str(model_dir), "--port", str(vllm_port),
+                            "--served-model-name", "tiny"], workdir / "vllm.log")
+        _wait_http(upstream + "/health", vllm, workdir / "vllm.log", "vLLM", 600)
+
+        gateway = f"http://127.0.0.1:{gw_port}"
+        _step(f"3/5 gateway on {gateway}, embedded Postgres in {workdir / 'data'}")
+        gw = procs.start([*rolltap, "gateway", "--upstream", upstream, "--port", str(gw_port),
+                          "--admin-key", admin_key, "--data-dir", str(workdir / "data")],
+                         workdir / "gateway.log")
+        _wait_http(gateway + "/healthz", gw, workdir / "gateway.log", "gateway", 180)
+        admin = httpx.Client(base_url=gateway, timeout=60,
+                             headers={"Authorization": f"Bearer {admin_key}"})
+
+        _step("4/5 a tool-using conversation through the gateway, as one rollout")
+        rollout = admin.post("/admin/rollouts", json={"task_id": "demo-fix-calc"}).json()
+        print(f"   rollout {rollout['rollout_id']}, key {rollout['api_key'][:10]}…")
+        _conversation(rollout["openai_base_url"], rollout["api_key"], "tiny", args.turns)
+        finished = admin.post(f"/admin/rollouts/{rollout['rollout_id']}/finish",
+                              json={"reward": 1.0}).json()
+
+        _step("5/5 what Postgres holds")
+        _show_calls(admin, upstream, rollout["rollout_id"])
+        stats = finished["merge"]["stats"]
+        print(f"   merged into {stats['sequences']} training sequence(s): "
+              f"{stats['trained_tokens']} trained tokens of {stats['sampled_tokens']} sampled, "
+              f"{stats['lost_tokens']} lost; forks by cause {stats['causes']}")
+        print(f"   inspect: curl -H 'Authorization: Bearer {admin_key}' "
+              f"{gateway}/admin/rollouts/{rollout['rollout_id']}/traces")
+    finally:
+        procs.stop_all()
+        _stop_embedded_postgres(workdir / "data" / "pgdata")
+    print("\ndemo finished")
+    return 0
+
+
+def _stop_embedded_postgres(pgdata: Path) -> None:
+    """The gateway leaves its embedded Postgres running on purpose (so a restart reuses it); the
+    demo owns this one and stops it."""
+    if not (pgdata / "PG_VERSION").exists():
+        return
+    import pgserver
+
+    pgserver.get_server(pgdata, cleanup_mode="stop").cleanup()

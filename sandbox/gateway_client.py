@@ -1,0 +1,139 @@
+"""The runner's HTTP client for the gateway's admin API (the only way `sandbox` talks to it).
+
+Transient failures (connection errors, 5xx) are retried with backoff; 4xx are not, they mean
+the request itself is wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal, TypeVar
+
+import aiohttp
+import msgspec
+
+from sandbox.backends.base import GatewayStatus, RolloutAccess
+
+RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
+
+
+class GatewayError(RuntimeError):
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class CallInfo(msgspec.Struct, frozen=True):
+    seq: int
+    status: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+
+
+class RolloutInfo(msgspec.Struct, frozen=True):
+    rollout_id: str
+    status: str
+    task_id: str | None = None
+    group_id: str | None = None
+    reward: float | None = None
+    calls: list[CallInfo] = []
+    # Read for display only, so any shape is accepted.
+    metadata: Any = None
+    merge: Any = None  # {"stats": {...}, "options": {...}} once merged
+    stats: Any = None
+
+    @property
+    def merge_stats(self) -> dict[str, Any] | None:
+        nested = self.merge.get("stats") if isinstance(self.merge, dict) else None
+        if isinstance(nested, dict):
+            return nested
+        return self.stats if isinstance(self.stats, dict) else None
+
+
+class FinishReply(msgspec.Struct, frozen=True):
+    rollout_id: str
+    status: str
+    reward: float | None = None
+    merge: Any = None
+
+
+Method = Literal["GET", "POST"]
+T = TypeVar("T")
+
+
+class AdminClient:
+    """`async with AdminClient(url, key) as admin: ...`"""
+
+    def __init__(self, base_url: str, admin_key: str, *, timeout_s: float = 60.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {admin_key}"}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> AdminClient:
+        self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _request(self, method: Method, path: str, body: Any = None) -> bytes:
+        assert self._session is not None, "use AdminClient as an async context manager"
+        url = f"{self.base_url}{path}"
+        data = msgspec.json.encode(body) if body is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else None
+        last: Exception | None = None
+        for delay in (*RETRY_DELAYS_S, None):
+            try:
+                async with self._session.request(method, url, data=data, headers=headers) as r:
+                    payload = await r.read()
+                    if r.status < 400:
+                        return payload
+                    text = payload[:500].decode(errors="replace")
+                    error = GatewayError(f"{method} {path}: HTTP {r.status}: {text}", r.status)
+                    if r.status < 500:
+                        raise error
+                    last = error
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+                last = GatewayError(f"{method} {path}: {exc!r}")
+            if delay is None:
+                break
+            await asyncio.sleep(delay)
+        assert last is not None
+        raise last
+
+    async def _call(self, method: Method, path: str, body: Any, reply: type[T]) -> T:
+        payload = await self._request(method, path, body)
+        try:
+            return msgspec.json.decode(payload, type=reply)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise GatewayError(f"{method} {path}: unexpected reply: {exc}") from None
+
+    async def create_rollout(
+        self,
+        *,
+        task_id: str,
+        group_id: str,
+        metadata: dict[str, Any],
+        timeout_s: float,
+    ) -> RolloutAccess:
+        body = {"task_id": task_id, "group_id": group_id, "metadata": metadata,
+                "timeout_s": timeout_s}
+        return await self._call("POST", "/admin/rollouts", body, RolloutAccess)
+
+    async def finish_rollout(
+        self,
+        rollout_id: str,
+        *,
+        reward: float | None,
+        status: GatewayStatus,
+        metrics: dict[str, Any],
+    ) -> FinishReply:
+        body = {"reward": reward, "status": status, "metrics": metrics}
+        path = f"/admin/rollouts/{rollout_id}/finish"
+        return await self._call("POST", path, body, FinishReply)
+
+    async def get_rollout(self, rollout_id: str) -> RolloutInfo:
+        return await self._call("GET", f"/admin/rollouts/{rollout_id}", None, RolloutInfo)

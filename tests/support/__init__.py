@@ -1,0 +1,1 @@
+"""Test support: fixtures for the real services the tests run against."""

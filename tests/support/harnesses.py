@@ -1,0 +1,174 @@
+"""Real harness CLIs from npm for tests: an idempotent installer of pinned versions into the
+repository's `.cache/npm/`, and a runner that starts one headless and offline.
+
+The install is shared by every test session (and `make test` on a fresh machine): one
+`package.json` pinning every harness, installed under a file lock, redone only when an
+installed version differs from its pin. A run gets a fresh sandbox tree (HOME, XDG dirs, an
+empty workdir), the harness's config from its sandbox preset, an npm registry address where
+nothing listens, and telemetry and update checks off, so nothing leaves 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from sandbox.layout import SandboxDirs, base_env, make_dirs, sandbox_path, write_files
+from sandbox.presets import NPM_EXECUTABLES, Harness, LaunchContext, build_launch
+
+__all__ = [
+    "HARNESS_PACKAGES",
+    "NPM_PREFIX",
+    "HarnessRun",
+    "ensure_harnesses",
+    "harness_bin_dir",
+    "installed_versions",
+    "npm_harnesses",
+    "run_harness",
+]
+
+REPO = Path(__file__).resolve().parents[2]
+NPM_PREFIX = REPO / ".cache" / "npm"
+INSTALL_TIMEOUT_S = 900.0
+
+# preset name -> (npm package, pinned version): the versions the compatibility table lists.
+HARNESS_PACKAGES: dict[str, tuple[str, str]] = {
+    "claude-code": ("@anthropic-ai/claude-code", "2.1.197"),
+    "codex": ("@openai/codex", "0.171.0"),
+    "opencode": ("opencode-ai", "1.18.33"),
+}
+
+
+def harness_bin_dir(prefix: Path = NPM_PREFIX) -> Path:
+    return prefix / "node_modules" / ".bin"
+
+
+def installed_versions(prefix: Path = NPM_PREFIX) -> dict[str, str | None]:
+    """preset -> the version installed under `prefix` (None if missing or its CLI is absent)."""
+    out: dict[str, str | None] = {}
+    for preset, (package, _) in HARNESS_PACKAGES.items():
+        manifest = prefix / "node_modules" / package / "package.json"
+        exe = harness_bin_dir(prefix) / NPM_EXECUTABLES[preset]
+        try:
+            version = json.loads(manifest.read_text())["version"]
+        except (OSError, ValueError, KeyError):
+            version = None
+        out[preset] = version if exe.exists() else None
+    return out
+
+
+def _up_to_date(prefix: Path) -> bool:
+    have = installed_versions(prefix)
+    return all(have[p] == version for p, (_, version) in HARNESS_PACKAGES.items())
+
+
+def ensure_harnesses(prefix: Path = NPM_PREFIX) -> Path:
+    """Install the pinned harnesses under `prefix` unless they already are; returns the bin
+    directory. Safe to call from concurrent sessions (a lock file serialises installs)."""
+    if _up_to_date(prefix):
+        return harness_bin_dir(prefix)
+    npm = shutil.which("npm")
+    if npm is None:
+        raise FileNotFoundError("npm is not installed (Node.js 20 or newer with npm is needed)")
+    prefix.mkdir(parents=True, exist_ok=True)
+    with open(prefix / ".install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _up_to_date(prefix):  # another session installed them while this one waited
+            return harness_bin_dir(prefix)
+        manifest = {
+            "name": "rolltap-test-harnesses",
+            "private": True,
+            "dependencies": {pkg: version for pkg, version in HARNESS_PACKAGES.values()},
+        }
+        (prefix / "package.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        env = {k: v for k, v in os.environ.items() if not k.lower().startswith("npm_config_")}
+        proc = subprocess.run(
+            [npm, "install", "--no-audit", "--no-fund", "--no-update-notifier",
+             "--loglevel=error"],
+            cwd=prefix, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
+        )  # fmt: skip
+        if proc.returncode != 0 or not _up_to_date(prefix):
+            raise RuntimeError(
+                f"npm install in {prefix} failed ({proc.returncode}); installed: "
+                f"{installed_versions(prefix)}\n{proc.stderr[-3000:]}"
+            )
+    return harness_bin_dir(prefix)
+
+
+@pytest.fixture(scope="session")
+def npm_harnesses() -> Path:
+    """The bin directory of the pinned harness CLIs, installed on first use."""
+    if shutil.which("npm") is None or shutil.which("node") is None:
+        pytest.skip("node/npm is not installed: the real harness CLIs cannot be installed")
+    return ensure_harnesses()
+
+
+@dataclass(frozen=True)
+class HarnessRun:
+    argv: list[str]
+    returncode: int | None  # None: killed at the timeout
+    stdout: str
+    stderr: str
+    seconds: float
+    dirs: SandboxDirs
+
+    def describe(self) -> str:
+        """For assertion messages: how the run ended and the tail of what it printed."""
+        return (
+            f"exit {self.returncode} after {self.seconds:.1f} s\n--- stdout\n"
+            f"{self.stdout[-2500:]}\n--- stderr\n{self.stderr[-2500:]}"
+        )
+
+
+def run_harness(
+    bin_dir: Path,
+    harness: Harness,
+    prompt: str,
+    rollout: dict,
+    parent: Path,
+    timeout_s: float,
+    extra_env: dict[str, str] | None = None,
+) -> HarnessRun:
+    """One headless run of `harness` against the gateway `rollout` (the admin API's answer to
+    creating a rollout), in a fresh sandbox tree under `parent`. A run past `timeout_s` is
+    killed with its whole process group."""
+    exe = bin_dir / NPM_EXECUTABLES[harness.preset]
+    harness = msgspec.structs.replace(harness, executable=str(exe))
+    dirs = make_dirs(str(parent), harness.preset)
+    launch = build_launch(
+        harness,
+        LaunchContext(
+            prompt=prompt,
+            api_key=rollout["api_key"],
+            openai_base_url=rollout["openai_base_url"],
+            anthropic_base_url=rollout["anthropic_base_url"],
+            workdir=dirs.work,
+            home=dirs.home,
+        ),
+    )
+    write_files(dirs.home, launch.files)
+    env = base_env(dirs, os.pathsep.join([str(bin_dir), sandbox_path()]))
+    env |= launch.env | (extra_env or {})
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        launch.argv, cwd=dirs.work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        stdout, stderr = proc.communicate()
+        code = None
+    return HarnessRun(launch.argv, code, stdout, stderr, time.monotonic() - started, dirs)
+
