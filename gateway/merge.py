@@ -33,10 +33,12 @@ never be observed at a root; and a drift in any turn but the first makes the re-
 sibling of the call it re-rendered, which must not be mistaken for a retry (its tokens were used).
 
 Exclusion. Abandoned calls (unless `train_abandoned`) and aborted or failed calls (unless
-`train_aborted`) are never trained; a path ending in one is excluded, and so is an auxiliary path
-(no call on it offered tools: titles, summaries) unless `train_auxiliary`. A call all of whose paths
-are excluded is excluded. An excluded sequence trains nothing. Calls without any token (a request
-that failed before the engine saw it) are counted but form no sequence.
+`train_aborted`) are never trained: they stay context in their path, and the calls before them are
+still trained (an agent killed mid-stream keeps every turn it completed). Paths ending in a
+trainable call are built first, so shared calls train where the conversation went on; a path that
+then adds nothing to train is excluded, and so is an auxiliary path (no call on it offered tools:
+titles, summaries) unless `train_auxiliary`. Calls without any token (a request that failed before
+the engine saw it) are counted but form no sequence.
 """
 
 from __future__ import annotations
@@ -437,35 +439,43 @@ def _sequences(
     masks = np.zeros(bounds[-1], dtype=np.uint8)
     all_logprobs = np.zeros(bounds[-1], dtype=np.float32)
     all_versions = np.full(bounds[-1], -1, dtype=np.int32)
-    for path, start, stop in zip(paths, bounds[:-1], bounds[1:], strict=True):
+    # Paths ending in a call that may be trained go first, so a call shared with a path that
+    # ends in an aborted call or an abandoned retry is trained where its conversation went on.
+    order = sorted(range(len(paths)), key=lambda k: bool(blocked[paths[k][-1]]))
+    built: dict[int, MergedSequence] = {}
+    for k in order:
+        path = paths[k]
+        start, stop = int(bounds[k]), int(bounds[k + 1])
         leaf = path[-1]
         auxiliary = not forest.tools[leaf]
-        excluded = bool(blocked[leaf]) or (auxiliary and not options.train_auxiliary)
         mask = masks[start:stop]
         logprobs = all_logprobs[start:stop]
         versions = all_versions[start:stop]
-        if not excluded:
+        trained_here = False
+        if not auxiliary or options.train_auxiliary:
             # Walking up stops at the first call an earlier path already handled: its ancestors
-            # were handled with it.
+            # were handled with it. Untrainable calls (an agent killed mid-stream, a retry the
+            # harness dropped) stay context, and the calls before them are still trained.
             for i in reversed(path):
                 if seen[i]:
                     break
                 seen[i] = True
                 if not blocked[i]:
+                    trained_here = True
                     span = slice(int(packed.P[i]), int(packed.F[i]))
                     mask[span] = 1
                     logprobs[span] = live[i].logprobs
                     versions[span] = live[i].versions
-        sequences.append(
-            MergedSequence(
-                input_ids=packed.full(leaf),
-                loss_mask=mask,
-                logprobs=logprobs,
-                versions=versions,
-                call_ids=[live[i].id for i in path],
-                cause=forest.cause[leaf],
-                auxiliary=auxiliary,
-                excluded=excluded,
-            )
+        built[k] = MergedSequence(
+            input_ids=packed.full(leaf),
+            loss_mask=mask,
+            logprobs=logprobs,
+            versions=versions,
+            call_ids=[live[i].id for i in path],
+            cause=forest.cause[leaf],
+            auxiliary=auxiliary,
+            # An ended-early path that adds nothing to train is only a record of its last call.
+            excluded=not trained_here and (bool(blocked[leaf]) or auxiliary),
         )
+    sequences.extend(built[k] for k in range(len(paths)))
     return sequences, seen & ~blocked

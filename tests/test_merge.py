@@ -96,11 +96,25 @@ def expected_training(calls, parents, abandoned, options):
         while parents[path[-1].id] is not None:
             path.append(by_id[parents[path[-1].id]])
         auxiliary = not any(c.offered_tools for c in path)
-        excluded = blocked(leaf) or (auxiliary and not options.train_auxiliary)
-        leaves[leaf.id] = (auxiliary, excluded)
-        if not excluded:
-            train |= {c.id for c in path if not blocked(c) and c.completion_ids.size}
+        if auxiliary and not options.train_auxiliary:
+            leaves[leaf.id] = (True, True)
+            continue
+        # A path that ends in an untrainable call still trains the calls before it; whether
+        # the path itself is then marked excluded depends on whether another path trained
+        # them first (None: either, checked against its mask by the caller).
+        leaves[leaf.id] = (auxiliary, None if blocked(leaf) else False)
+        train |= {c.id for c in path if not blocked(c) and c.completion_ids.size}
     return leaves, train
+
+
+def check_flags(result, leaves):
+    for s in result.sequences:
+        auxiliary, excluded = leaves[s.call_ids[-1]]
+        assert s.auxiliary == auxiliary
+        if excluded is None:
+            assert not s.excluded or not s.loss_mask.any()
+        else:
+            assert s.excluded == excluded
 
 
 def canonical(result):
@@ -294,8 +308,7 @@ def test_merge_finds_the_structure_the_harness_made(rollout, options, rng):
     assert result.parents == rollout.parents
     leaves, train = expected_training(rollout.calls, rollout.parents, rollout.abandoned, options)
     assert sorted(s.call_ids[-1] for s in result.sequences) == sorted(leaves)
-    for s in result.sequences:
-        assert (s.auxiliary, s.excluded) == leaves[s.call_ids[-1]]
+    check_flags(result, leaves)
     causes = Counter(s.cause for s in result.sequences)
     assert causes.pop("start") == 1
     assert causes == rollout.causes
@@ -309,7 +322,8 @@ def test_merge_finds_the_structure_the_harness_made(rollout, options, rng):
     assert stats.calls == len(rollout.calls)
     assert stats.sequences == len(leaves)
     assert stats.sampled_tokens == stats.trained_tokens
-    assert stats.excluded_sequences == sum(excluded for _, excluded in leaves.values())
+    assert stats.excluded_sequences == sum(s.excluded for s in result.sequences)
+    assert stats.excluded_sequences >= sum(bool(excluded) for _, excluded in leaves.values())
     assert stats.auxiliary_sequences == sum(aux for aux, _ in leaves.values())
     assert stats.sampled_tokens + stats.excluded_tokens == sum(
         c.completion_ids.size for c in rollout.calls
@@ -391,8 +405,8 @@ def test_merge_invariants_hold_for_any_calls(calls, options, rng):
     assert {s.call_ids[-1] for s in result.sequences if s.cause == "abandoned"} == abandoned
     leaves, train = expected_training(calls, result.parents, abandoned, options)
     assert sorted(s.call_ids[-1] for s in result.sequences) == sorted(leaves)
+    check_flags(result, leaves)
     for s in result.sequences:
-        assert (s.auxiliary, s.excluded) == leaves[s.call_ids[-1]]
         assert s.cause in {"start", *CAUSES}
     assert check_faithful(result, calls) == train
     assert sum(s.cause == "start" for s in result.sequences) <= 1
@@ -561,14 +575,20 @@ def test_parent_may_arrive_after_its_child():
     assert [s.call_ids for s in result.sequences] == [["p", "c"]]
 
 
-def test_aborted_last_call_excludes_its_path():
+def test_aborted_last_call_is_context_and_the_calls_before_it_train():
+    # An agent killed mid-stream (timeout) leaves an aborted last call: what it sampled before
+    # is still good training data, conditioned exactly as before; only the cut call is not.
     a, b, _ = chain()
     cut = make_call("x", 3, [1, 2, 3, 4, 10, 11, 20, 21, 12, 13, 14, 22], [15], "aborted")
     result = merge([a, b, cut])
     (s,) = result.sequences
-    assert s.excluded and not s.loss_mask.any()
-    assert result.stats.excluded_tokens == 6 and result.stats.sampled_tokens == 0
-    assert merge([a, b, cut], MergeOptions(train_aborted=True)).stats.trained_tokens == 6
+    assert not s.excluded and s.call_ids == ["a", "b", "x"]
+    assert int(s.loss_mask.sum()) == result.stats.trained_tokens == (
+        a.completion_ids.size + b.completion_ids.size)
+    assert s.loss_mask[-1] == 0  # the aborted call's token
+    assert result.stats.excluded_tokens == 1 and result.stats.lost_tokens == 0
+    assert merge([a, b, cut], MergeOptions(train_aborted=True)).stats.trained_tokens == (
+        a.completion_ids.size + b.completion_ids.size + 1)
 
 
 def test_call_without_tokens_forms_no_sequence():

@@ -1,0 +1,71 @@
+"""The sandbox runner against the real gateway and vLLM: rollouts of the example tasks end
+with rewards and recorded calls, and an agent inside a sandbox cannot touch the admin API or
+another rollout (invariant 6)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import msgspec
+
+from sandbox.backends.base import RolloutAccess, SandboxRequest
+from sandbox.backends.local import LocalBackend
+from sandbox.presets import Harness
+from sandbox.runner import run_rollouts
+from sandbox.tasks import load_tasks
+from tests.support.gateway import ADMIN_KEY
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS = REPO / "examples" / "tasks" / "tasks.jsonl"
+
+
+def test_runner_rolls_out_example_tasks_through_the_gateway(gateway, vllm_server, tmp_path):
+    tasks = load_tasks(TASKS)[:1]
+    harness = Harness(preset="python", model=vllm_server.model,
+                      agent="sandbox.agents.scripted:run")
+    report = asyncio.run(run_rollouts(
+        tasks, harness, gateway=gateway.url, admin_key=ADMIN_KEY, group_size=2,
+        backend=LocalBackend(root=tmp_path), concurrency=2))
+    assert len(report.finished) == 2 and report.errors == []
+    groups: dict[str, set] = {}
+    for rec in report.finished:
+        state = gateway.admin.get(f"/admin/rollouts/{rec.rollout_id}").json()
+        assert state["status"] in ("finished", "failed")
+        assert state["reward"] is not None and 0.0 <= state["reward"] <= 1.0
+        groups.setdefault(state["task_id"], set()).add(state["group_id"])
+        calls = gateway.calls(rec.rollout_id)
+        assert calls, "the scripted agent's calls are recorded"
+        assert all(c["prompt_ids"] and len(c["logprobs"]) == len(c["completion_ids"])
+                   for c in calls if c["status"] == "ok")
+        assert state["merge"]["stats"]["lost_tokens"] == 0
+    assert {t.id for t in tasks} == set(groups)
+    assert all(len(g) == 1 for g in groups.values()), "one group per task"
+
+
+def test_agent_cannot_use_admin_api_or_touch_other_rollouts(gateway, vllm_server, tmp_path):
+    victim = gateway.new_rollout(task_id="victim")
+    mine = gateway.new_rollout(task_id="probe")
+    task = load_tasks(TASKS)[0]
+    task = msgspec.structs.replace(task, prompt=json.dumps(
+        {"other_rollout": victim["rollout_id"], "self": mine["rollout_id"]}))
+    harness = Harness(preset="python", model=vllm_server.model,
+                      agent="probe_agent:run", pythonpath=(str(REPO / "tests" / "agents"),))
+    access = RolloutAccess(mine["rollout_id"], mine["api_key"], mine["openai_base_url"],
+                           mine["anthropic_base_url"])
+    policy_before = gateway.admin.get("/admin/policy").json()["version"]
+    result = asyncio.run(LocalBackend(root=tmp_path).run(SandboxRequest(task, harness, access)))
+    assert result.agent is not None and result.agent.exit_code == 0, result.agent
+    report = json.loads(result.agent.stdout.strip().splitlines()[-1])
+    for attempt in ("create_rollout_with_key", "create_rollout_without_key", "read_other_calls",
+                    "read_other_summary_x_api_key", "finish_other", "finish_self", "set_policy"):
+        assert report[attempt] in (401, 403), (attempt, report[attempt])
+    assert report["own_model_call"] == 200
+    assert report["env_has_admin_key"] is False
+    hidden = {Path(name).name for name in task.verifier.files}
+    assert not hidden & set(report["visible_files"]), "hidden tests invisible to the agent"
+    # Nothing changed for the victim or the policy.
+    state = gateway.admin.get(f"/admin/rollouts/{victim['rollout_id']}").json()
+    assert state["status"] == "running" and state["reward"] is None and state["calls"] == []
+    assert gateway.admin.get("/admin/policy").json()["version"] == policy_before
