@@ -22,6 +22,9 @@ enters a sandbox.
 A sandbox is a fresh working directory with the task's files, its own HOME, an environment
 holding only what the harness needs, resource limits (CPU time, memory, processes, file size),
 its own session and process group (killed as a whole on timeout), and bounded output capture.
+The harness runs in a private mount namespace (needs root) in which the task file and its
+files_dir directories, every other sandbox, the --state file and raw disks are hidden; where
+the machine refuses that, it runs without and the rollout's metrics carry a warning.
 A harness that crashes or times out is recorded with that status; the run goes on.
 
 Ctrl-C (or SIGTERM) stops the run: sandboxes in flight are killed and their rollouts finished
@@ -119,11 +122,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sb.add_argument("--backend", choices=["local", "ray"], default="local",
                     help="local processes (default) or Ray tasks")
     sb.add_argument("--sandbox-root", metavar="DIR",
-                    help="where sandbox directories are made (default: the temp dir)")
+                    help="where sandbox directories are made, hidden from every agent but "
+                         "its own (default: a directory in the temp dir)")
     sb.add_argument("--keep-sandboxes", action="store_true",
                     help="do not delete sandbox directories (debugging)")
     sb.add_argument("--no-cgroup", action="store_true",
                     help="do not put sandboxes in their own pids cgroup")
+    sb.add_argument("--no-mount-isolation", action="store_true",
+                    help="run harnesses without the private mount namespace that hides the "
+                         "task set, the other sandboxes and the state file")
     sb.add_argument("--ray-address", metavar="ADDR",
                     help="Ray cluster to join (e.g. auto); default: start a local Ray")
     sb.add_argument("--ray-cpus-per-sandbox", type=float, default=1.0, metavar="N",
@@ -174,6 +181,7 @@ def _backend(args: argparse.Namespace):
         "root": args.sandbox_root,
         "use_cgroup": not args.no_cgroup,
         "keep_dirs": args.keep_sandboxes,
+        "mount_isolation": not args.no_mount_isolation,
     }
     if args.backend == "ray":
         from sandbox.backends.ray import RayBackend

@@ -43,6 +43,21 @@ class SandboxDirs(msgspec.Struct, frozen=True):
         }
 
 
+def sandbox_parent(root: str | None) -> str:
+    """The directory sandboxes are made in: `root`, or by default one in the temp dir shared
+    by every sandbox of this user on the machine (every run, every Ray worker), so that hiding
+    it from an agent hides all of its siblings."""
+    if root is not None:
+        return root
+    parent = os.path.join(tempfile.gettempdir(), f"rolltap-sandboxes-{os.geteuid()}")
+    os.makedirs(parent, mode=0o700, exist_ok=True)
+    st = os.lstat(parent)
+    # The temp dir is everyone's: a directory planted there by another user must not be used.
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise RuntimeError(f"{parent} is not a private directory of this user; give a root")
+    return parent
+
+
 def make_dirs(parent: str | None, label: str) -> SandboxDirs:
     root = tempfile.mkdtemp(prefix=f"rolltap-{label}-", dir=parent)
     dirs = SandboxDirs(root=root, work=f"{root}/work", home=f"{root}/home", tmp=f"{root}/tmp")

@@ -1,5 +1,6 @@
-"""Run one command contained: own session, rlimits, pids cgroup, wall-clock timeout, bounded
-output, and nothing of it left running afterwards.
+"""Run one command contained: own session, rlimits, pids cgroup, optionally a private mount
+namespace that hides paths (isolation.py), wall-clock timeout, bounded output, and nothing of
+it left running afterwards.
 
 The command runs under reaper.py, which kills and reaps the command's leftovers when it exits.
 On timeout or cancellation the reaper is asked to stop (SIGTERM), then the whole session's
@@ -14,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import msgspec
@@ -22,6 +23,7 @@ import msgspec
 from sandbox import reaper
 from sandbox.capture import BoundedBuffer, drain
 from sandbox.cgroup import PidsCgroup
+from sandbox.isolation import MountOp, enter
 from sandbox.limits import Limits, make_preexec, nproc_budget, rlimit_table
 
 ProcessStatus = Literal["ok", "crashed", "timeout"]
@@ -67,6 +69,19 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
+def _with_mounts(
+    preexec: Callable[[], None], mounts: Sequence[MountOp] | None, cwd: str
+) -> Callable[[], None]:
+    if mounts is None:
+        return preexec
+
+    def isolated() -> None:
+        preexec()
+        enter(mounts, cwd)
+
+    return isolated
+
+
 async def run_contained(
     argv: Sequence[str],
     *,
@@ -75,8 +90,11 @@ async def run_contained(
     limits: Limits,
     timeout_s: float,
     use_cgroup: bool = True,
+    mounts: Sequence[MountOp] | None = None,
 ) -> ProcessOutcome:
-    """Run `argv` in `cwd` with exactly `env`; never leaves a process of it behind."""
+    """Run `argv` in `cwd` with exactly `env`; never leaves a process of it behind. With
+    `mounts`, in a private mount namespace with them applied; if that cannot be set up the
+    command does not run and this raises (subprocess.SubprocessError)."""
     cgroup = (
         PidsCgroup.create(limits.max_procs)
         if use_cgroup and limits.max_procs is not None
@@ -84,7 +102,11 @@ async def run_contained(
     )
     nproc = nproc_budget(limits)
     cap = "cgroup" if cgroup else ("rlimit" if nproc is not None else "none")
-    preexec = make_preexec(rlimit_table(limits, nproc), cgroup.procs_file if cgroup else None)
+    preexec = _with_mounts(
+        make_preexec(rlimit_table(limits, nproc), cgroup.procs_file if cgroup else None),
+        mounts,
+        cwd,
+    )
     out, err = BoundedBuffer(limits.output_bytes), BoundedBuffer(limits.output_bytes)
     started = time.monotonic()
     timed_out = False

@@ -9,12 +9,14 @@ A crashed or timed-out harness is an ordinary result (status and reward per `cra
 failing gateway call or backend is reported as an error for that rollout and the run goes on.
 Setting `stop` (the CLI does on SIGINT/SIGTERM) starts nothing new, kills the sandboxes in
 flight and finishes their rollouts as failed with `metrics.interrupted`; they are not in the
-state file, so a resumed run does them again. The admin key stays in this process.
+state file, so a resumed run does them again. The admin key stays in this process; the state
+file is among the paths a sandbox hides from its agent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -142,6 +144,7 @@ class _Run:
     ) -> None:
         self.admin, self.harness, self.backend = admin, harness, backend
         self.run_id, self.state, self.crash_reward, self.stop = run_id, state, crash_reward, stop
+        self.private_paths = (os.path.abspath(state.path),) if state else ()
         self.on_finished, self.on_error = on_finished, on_error
         self.total = total
         self.done = 0
@@ -217,7 +220,8 @@ class _Run:
             self.fail(item, f"create: {exc}")
             return
         rid = access.rollout_id
-        request = SandboxRequest(item.task, self.harness, access, self.crash_reward)
+        request = SandboxRequest(item.task, self.harness, access, self.crash_reward,
+                                 self.private_paths)
         self.sandboxes += 1
         try:
             result = await self.backend.run(request)

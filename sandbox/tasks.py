@@ -3,7 +3,8 @@
 A task line names its starting files and its hidden tests either inline or as a directory next
 to the task file. Loading resolves both into `{relative path: bytes}` maps, so a `Task` is
 self-contained: it can be pickled to another machine (Ray) where the task directory does not
-exist.
+exist. It also records where the task set was read from, so that a sandbox can hide those
+paths from the agent.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ class Task(msgspec.Struct, frozen=True):
     setup: str | None = None
     timeouts: Timeouts = Timeouts()
     metadata: dict[str, Any] = {}
+    # Resolved paths the task set was read from: the task file and every files_dir of any of
+    # its tasks. They hold hidden tests (this task's and its siblings'), so the agent must not
+    # see them.
+    source_paths: tuple[str, ...] = ()
 
 
 # ---- pure checks ----------------------------------------------------------------------------
@@ -210,11 +215,20 @@ def resolve_task(spec: TaskSpec, base: Path, source: str, lineno: int) -> Task:
     )
 
 
-def parse_tasks(text: str, base: Path, source: str) -> list[Task]:
-    """Parse JSONL task text; `base` is the directory `files_dir` entries are relative to."""
+def _tree_dirs(spec: TaskSpec, base: Path) -> list[str]:
+    named = (spec.files_dir, spec.verifier.files_dir)
+    return [os.path.realpath(base / d) for d in named if d is not None]
+
+
+def parse_tasks(
+    text: str, base: Path, source: str, task_file: str | os.PathLike[str] | None = None
+) -> list[Task]:
+    """Parse JSONL task text; `base` is the directory `files_dir` entries are relative to,
+    `task_file` the file the text came from (recorded in `Task.source_paths`)."""
     decoder = msgspec.json.Decoder(TaskSpec)
     tasks: list[Task] = []
     seen: dict[str, int] = {}
+    sources = {os.path.realpath(task_file)} if task_file is not None else set()
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -231,9 +245,11 @@ def parse_tasks(text: str, base: Path, source: str) -> list[Task]:
             )
         seen[spec.id] = lineno
         tasks.append(resolve_task(spec, base, source, lineno))
+        sources.update(_tree_dirs(spec, base))
     if not tasks:
         raise TaskFileError(f"{source}: no tasks")
-    return tasks
+    paths = tuple(sorted(sources))
+    return [msgspec.structs.replace(task, source_paths=paths) for task in tasks]
 
 
 def load_tasks(path: str | os.PathLike[str]) -> list[Task]:
@@ -245,4 +261,4 @@ def load_tasks(path: str | os.PathLike[str]) -> list[Task]:
         raise TaskFileError(f"{path}: cannot read: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         raise TaskFileError(f"{path}: not UTF-8 text: {exc}") from None
-    return parse_tasks(text, path.parent, str(path))
+    return parse_tasks(text, path.parent, str(path), task_file=path)

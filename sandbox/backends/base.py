@@ -7,6 +7,7 @@ from typing import Literal, Protocol
 
 import msgspec
 
+from sandbox.isolation import IsolationStatus
 from sandbox.presets import Harness
 from sandbox.process import ProcessOutcome
 from sandbox.tasks import Task
@@ -36,6 +37,9 @@ class SandboxRequest(msgspec.Struct, frozen=True):
     # What a crashed or timed-out agent scores: 0.0, None (unscorable), or whatever the
     # verifier finds in the workdir it left.
     crash_reward: CrashReward = "zero"
+    # Paths of the runner's own that the agent must not see besides the task's sources (the
+    # runner's state file).
+    private_paths: tuple[str, ...] = ()
 
 
 class SandboxResult(msgspec.Struct, frozen=True):
@@ -46,6 +50,8 @@ class SandboxResult(msgspec.Struct, frozen=True):
     agent: ProcessOutcome | None = None
     setup: ProcessOutcome | None = None
     verifier: VerifierResult | None = None
+    isolation: IsolationStatus = "disabled"
+    warnings: tuple[str, ...] = ()
 
     @property
     def gateway_status(self) -> GatewayStatus:
@@ -55,7 +61,9 @@ class SandboxResult(msgspec.Struct, frozen=True):
         """What the runner posts with the reward: enough to tell why a rollout scored what it
         did without the sandbox."""
         m: dict = {"sandbox_status": self.status, "reward_detail": self.reward_detail,
-                   "host": self.host}
+                   "host": self.host, "isolation": self.isolation}
+        if self.warnings:
+            m["warnings"] = list(self.warnings)
         failed = self.agent if self.status != "setup_failed" else self.setup
         if self.agent is not None:
             m |= {

@@ -5,7 +5,8 @@ wall-clock timeout, bounded output, no process left afterwards):
   1. fresh directories, the task's starting files in the workdir;
   2. the task's setup command, if any;
   3. the harness, with the rollout's key and gateway URLs and nothing else of the runner's
-     environment;
+     environment, in a private mount namespace (isolation.py) where the task set's files,
+     every other sandbox, the runner's state file and the raw disks are hidden;
   4. only after every process of the harness is gone: the hidden tests into the workdir, and
      the verifier, with a fresh HOME and without the rollout's key;
   5. the directories are removed.
@@ -13,6 +14,7 @@ wall-clock timeout, bounded output, no process left afterwards):
 
 from __future__ import annotations
 
+import os
 import socket
 
 from sandbox.backends.base import (
@@ -22,10 +24,13 @@ from sandbox.backends.base import (
     decide_reward,
     needs_verifier,
 )
+from sandbox.isolation import IsolationStatus, MountOp, sandbox_mounts, unavailable_reason
 from sandbox.layout import (
+    SandboxDirs,
     base_env,
     make_dirs,
     remove_dirs,
+    sandbox_parent,
     sandbox_path,
     verifier_dirs,
     write_files,
@@ -44,20 +49,41 @@ class LocalBackend:
         task_limits: Limits | None = None,
         use_cgroup: bool = True,
         keep_dirs: bool = False,
+        mount_isolation: bool = True,
     ) -> None:
-        """`root`: where sandbox directories are made (default: the system temp dir).
-        `task_limits`: limits of the setup and verifier commands. `use_cgroup`: give every
-        process tree its own pids cgroup when the machine allows it. `keep_dirs`: leave the
-        sandbox directories for inspection."""
+        """`root`: where sandbox directories are made (default: a directory of this user's in
+        the system temp dir); the agent sees none of it but its own sandbox. `task_limits`:
+        limits of the setup and verifier commands. `use_cgroup`: give every process tree its
+        own pids cgroup when the machine allows it. `keep_dirs`: leave the sandbox directories
+        for inspection. `mount_isolation`: run the agent in a private mount namespace that
+        hides the task set's files, the other sandboxes and the runner's private paths (where
+        the machine refuses it, the agent runs without, with a warning in the result)."""
         self.root = root
         self.task_limits = task_limits or Limits()
         self.use_cgroup = use_cgroup
         self.keep_dirs = keep_dirs
+        self.mount_isolation = mount_isolation
+
+    def _isolation(self) -> tuple[IsolationStatus, tuple[str, ...]]:
+        if not self.mount_isolation:
+            return "disabled", ()
+        if reason := unavailable_reason():
+            return "unavailable", (
+                f"mount isolation unavailable ({reason}): the agent ran without it and could "
+                "read the task set's hidden tests and other sandboxes",
+            )
+        return "mounts", ()
+
+    @staticmethod
+    def _mounts(request: SandboxRequest, dirs: SandboxDirs) -> tuple[MountOp, ...]:
+        hide = [*request.task.source_paths, *request.private_paths, os.path.dirname(dirs.root)]
+        return sandbox_mounts(hide, keep=dirs.root)
 
     async def run(self, request: SandboxRequest) -> SandboxResult:
         task, harness, access = request.task, request.harness, request.access
         host = socket.gethostname()
-        dirs = make_dirs(self.root, task.id)
+        isolation, warnings = self._isolation()
+        dirs = make_dirs(sandbox_parent(self.root), task.id)
         try:
             write_files(dirs.work, task.files)
             env = base_env(dirs, sandbox_path())
@@ -73,7 +99,8 @@ class LocalBackend:
                 )
                 if setup.status != "ok":
                     reward, detail = decide_reward("setup_failed", request.crash_reward, None)
-                    return SandboxResult("setup_failed", reward, detail, host, setup=setup)
+                    return SandboxResult("setup_failed", reward, detail, host, setup=setup,
+                                         isolation=isolation, warnings=warnings)
             launch = build_launch(
                 harness,
                 LaunchContext(
@@ -93,6 +120,7 @@ class LocalBackend:
                 limits=harness_limits(harness),
                 timeout_s=task.timeouts.agent_s,
                 use_cgroup=self.use_cgroup,
+                mounts=self._mounts(request, dirs) if isolation == "mounts" else None,
             )
             status: SandboxStatus = agent.status
             verifier = None
@@ -107,7 +135,8 @@ class LocalBackend:
                     self.use_cgroup,
                 )
             reward, detail = decide_reward(status, request.crash_reward, verifier)
-            return SandboxResult(status, reward, detail, host, agent, setup, verifier)
+            return SandboxResult(status, reward, detail, host, agent, setup, verifier,
+                                 isolation, warnings)
         finally:
             if not self.keep_dirs:
                 remove_dirs(dirs)
