@@ -88,9 +88,10 @@ class _Processes:
     def __init__(self) -> None:
         self._procs: list[subprocess.Popen] = []
 
-    def start(self, args: list[str], log: Path) -> subprocess.Popen:
+    def start(self, args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+        # Secrets go by environment, never argv, where any local process could read them.
         proc = subprocess.Popen(args, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, **(env or {})})
         self._procs.append(proc)
         return proc
 
@@ -181,8 +182,8 @@ def run(args: argparse.Namespace) -> int:
         gateway = f"http://127.0.0.1:{gw_port}"
         _step(f"3/5 gateway on {gateway}, embedded Postgres in {workdir / 'data'}")
         gw = procs.start([*rolltap, "gateway", "--upstream", upstream, "--port", str(gw_port),
-                          "--admin-key", admin_key, "--data-dir", str(workdir / "data")],
-                         workdir / "gateway.log")
+                          "--data-dir", str(workdir / "data")],
+                         workdir / "gateway.log", env={"ROLLTAP_ADMIN_KEY": admin_key})
         _wait_http(gateway + "/healthz", gw, workdir / "gateway.log", "gateway", 180)
         admin = httpx.Client(base_url=gateway, timeout=60,
                              headers={"Authorization": f"Bearer {admin_key}"})

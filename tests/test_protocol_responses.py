@@ -813,8 +813,8 @@ BAD = [
     (
         "tool parameters not an object schema",
         raw({"model": "m", "input": "x", "tools": [dict(EXEC_TOOL, parameters={"type": "array"})]}),
-        "tools[0].parameters",
-        "type 'object'",
+        "tools[0].parameters.type",
+        "must be 'object'",
     ),
     (
         "tool parameters of wrong type",

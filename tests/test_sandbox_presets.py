@@ -29,6 +29,7 @@ from sandbox.presets import (
     harness_protocol,
 )
 from sandbox.tasks import Task, Timeouts, Verifier
+from tests.support.harnesses import HARNESS_PACKAGES, require_harnesses
 
 KEY = "rk-preset-key-42"
 CTX = LaunchContext(prompt="Fix the bug, then say \"done\".", api_key=KEY,
@@ -143,20 +144,19 @@ def test_every_preset_has_help():
 
 # ---- the real npm harnesses, if installed -----------------------------------------------------
 
-def harness_path() -> str:
+def harness_path(bin_dir) -> str:
     extra = os.environ.get("ROLLTAP_HARNESS_BIN_DIR", "")
-    return os.pathsep.join(p for p in (extra, os.environ.get("PATH", "")) if p)
+    return os.pathsep.join(p for p in (extra, str(bin_dir), os.environ.get("PATH", "")) if p)
 
 
-INSTALLED = [p for p in NPM if shutil.which(NPM_EXECUTABLES[p], path=harness_path())]
-
-
-@pytest.mark.skipif(not INSTALLED, reason="no npm harness installed (set ROLLTAP_HARNESS_BIN_DIR "
-                                          "to a node_modules/.bin holding them)")
-@pytest.mark.parametrize("preset", INSTALLED)
+@pytest.mark.parametrize("preset", NPM)
 async def test_real_harness_reaches_base_url_with_rollout_key(preset):
     """A stand-in model endpoint that refuses every request (400) and records who asked: the
     harness, started offline from its preset, must come to it with the rollout's key."""
+    exe = shutil.which(NPM_EXECUTABLES[preset], path=harness_path(require_harnesses()))
+    if exe is None:
+        pytest.skip(f"{preset} is not installed (the suite installs {sorted(HARNESS_PACKAGES)}; "
+                    "set ROLLTAP_HARNESS_BIN_DIR for others)")
     seen: list[tuple[str, str | None, str | None, object]] = []
 
     async def refuse(request: web.Request) -> web.Response:
@@ -179,7 +179,6 @@ async def test_real_harness_reaches_base_url_with_rollout_key(preset):
         task = Task(id="t", prompt="Say hi.", files={"README.md": b"hi\n"},
                     verifier=Verifier("true", "binary", {}),
                     timeouts=Timeouts(agent_s=120.0))
-        exe = shutil.which(NPM_EXECUTABLES[preset], path=harness_path())
         harness = Harness(preset=preset, model="tiny", executable=exe)
         result = await LocalBackend().run(SandboxRequest(task, harness, access))
     finally:

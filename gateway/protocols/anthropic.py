@@ -13,6 +13,11 @@ Decisions a reader cannot see from the code alone:
 - Tool-call arguments that are not a JSON object come back as `input: {}` (Anthropic clients
   need an object; the raw text stays in the recorded upstream response). Streaming passes the
   argument fragments through as they arrive, unchanged.
+- A `role: "system"` message inside `messages` (Anthropic's mid-conversation system messages;
+  Claude Code 2.1.197 sends one) stays a chat system message at its place; the Messages API
+  accepts one only directly after a user message, so that is checked.
+- A tool's `strict` (Anthropic's strict tool use) passes through to the chat tool: vLLM then
+  holds the arguments to the schema, and only then does a small model produce valid calls.
 - `stop_reason` is `stop_sequence` when vLLM reports (`stop_reason` of the choice) that one of
   the request's stop strings ended the output, `tool_use` whenever the reply holds a tool call
   and did not hit the length limit.
@@ -28,6 +33,7 @@ import msgspec
 
 from gateway.protocols.errors import GatewayError, bad_request
 from gateway.protocols.normalize import normalize_messages
+from gateway.protocols.tools import check_object_schema
 
 NAME = "anthropic"
 UPSTREAM_PATH = "/v1/chat/completions"
@@ -399,11 +405,7 @@ def _chat_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
         schema = tool.input_schema
         if schema is None:
             raise bad_request(f"{path}.input_schema: Field required", param=f"{path}.input_schema")
-        if schema.get("type") != "object":
-            raise bad_request(
-                f"{path}.input_schema.type: must be 'object', got {schema.get('type')!r}",
-                param=f"{path}.input_schema.type",
-            )
+        check_object_schema(schema, f"{path}.input_schema")
         function: dict[str, Any] = {"name": tool.name, "parameters": schema}
         if tool.description is not None:
             function["description"] = tool.description

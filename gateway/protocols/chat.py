@@ -18,6 +18,7 @@ from gateway.protocols.openai_common import (
     render_error,
     strip_capture,
 )
+from gateway.protocols.tools import check_object_schema
 
 NAME = "chat"
 UPSTREAM_PATH = "/v1/chat/completions"
@@ -35,9 +36,25 @@ __all__ = [
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
+class _Function(msgspec.Struct):
+    name: str
+    parameters: dict | None = None
+
+
+class _Tool(msgspec.Struct):
+    function: _Function
+    type: str = "function"
+
+
+class _CallRef(msgspec.Struct):
+    id: str | None = None
+
+
 class _Message(msgspec.Struct):
     role: str
     content: str | list[dict] | None = None
+    tool_calls: list[_CallRef] | None = None
+    tool_call_id: str | None = None
 
 
 class _Shape(msgspec.Struct):
@@ -46,7 +63,7 @@ class _Shape(msgspec.Struct):
     model: str
     messages: list[_Message]
     stream: bool = False
-    tools: list[dict] | None = None
+    tools: list[_Tool] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -65,11 +82,22 @@ def parse_request(raw: bytes) -> dict:
     body, shape = decode_checked(raw, _Shape)
     if not shape.messages:
         raise GatewayError(400, "`messages` must hold at least one message", param="messages")
+    open_calls: set[str | None] = set()  # ids of the latest assistant turn's tool calls
     for i, m in enumerate(shape.messages):
         if m.role not in _ROLES:
             raise GatewayError(
                 400, f"messages[{i}].role: unknown role {m.role!r}", param=f"messages[{i}].role"
             )
+        if m.role == "assistant":
+            open_calls = {c.id for c in m.tool_calls or ()}
+        elif m.role == "tool" and m.tool_call_id not in open_calls:
+            raise GatewayError(
+                400, f"messages[{i}].tool_call_id: {m.tool_call_id!r} answers no tool call of the "
+                "preceding assistant message", param=f"messages[{i}].tool_call_id",
+            )
+    for i, tool in enumerate(shape.tools or ()):
+        if tool.function.parameters is not None:
+            check_object_schema(tool.function.parameters, f"tools[{i}].function.parameters")
     check_single_choice(body)
     return body
 

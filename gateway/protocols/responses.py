@@ -27,6 +27,7 @@ import msgspec
 
 from gateway.protocols.errors import GatewayError, bad_request
 from gateway.protocols.openai_common import render_error
+from gateway.protocols.tools import check_object_schema
 
 NAME = "responses"
 UPSTREAM_PATH = "/v1/chat/completions"
@@ -250,11 +251,8 @@ def parse_request(raw: bytes) -> Request:
 
 def _function_tool(obj: dict, path: str, namespace: str | None = None) -> dict:
     fn = _convert(obj, _FunctionTool, path)
-    if fn.parameters is not None and fn.parameters.get("type") != "object":
-        raise bad_request(
-            f"'{path}.parameters' must be a JSON Schema of type 'object'",
-            param=f"{path}.parameters",
-        )
+    if fn.parameters is not None:
+        check_object_schema(fn.parameters, f"{path}.parameters")
     name = fn.name if namespace is None else namespace + _NS_SEP + fn.name
     spec: dict[str, Any] = {"name": name}
     if fn.description is not None:

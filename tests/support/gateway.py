@@ -34,8 +34,9 @@ class GatewayProcess:
                  log_path: Path | None = None, port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # The admin key goes by environment, not argv, where any local process could read it.
         self.args = [sys.executable, "-m", "gateway.cli", "gateway", "--port", str(self.port),
-                     "--admin-key", ADMIN_KEY, *extra]
+                     *extra]
         for u in upstreams:
             self.args += ["--upstream", u]
         if database_url:
@@ -48,7 +49,8 @@ class GatewayProcess:
     def start(self, timeout: float = 60) -> GatewayProcess:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     env={**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

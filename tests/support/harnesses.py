@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ __all__ = [
     "ensure_harnesses",
     "harness_bin_dir",
     "installed_versions",
-    "npm_harnesses",
+    "require_harnesses",
     "run_harness",
 ]
 
@@ -90,12 +91,13 @@ def ensure_harnesses(prefix: Path = NPM_PREFIX) -> Path:
             "dependencies": {pkg: version for pkg, version in HARNESS_PACKAGES.values()},
         }
         (prefix / "package.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        env = {k: v for k, v in os.environ.items() if not k.lower().startswith("npm_config_")}
         proc = subprocess.run(
-            [npm, "install", "--no-audit", "--no-fund", "--no-update-notifier",
-             "--loglevel=error"],
-            cwd=prefix, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
-        )  # fmt: skip
+            [npm, "install", "--no-audit", "--no-fund", "--no-update-notifier", "--loglevel=error"],
+            cwd=prefix,
+            capture_output=True,
+            text=True,
+            timeout=INSTALL_TIMEOUT_S,
+        )
         if proc.returncode != 0 or not _up_to_date(prefix):
             raise RuntimeError(
                 f"npm install in {prefix} failed ({proc.returncode}); installed: "
@@ -104,9 +106,9 @@ def ensure_harnesses(prefix: Path = NPM_PREFIX) -> Path:
     return harness_bin_dir(prefix)
 
 
-@pytest.fixture(scope="session")
-def npm_harnesses() -> Path:
-    """The bin directory of the pinned harness CLIs, installed on first use."""
+def require_harnesses() -> Path:
+    """The bin directory of the pinned harness CLIs, installed on first use; skips the calling
+    test where Node.js and npm are missing (nothing else is a reason to skip)."""
     if shutil.which("npm") is None or shutil.which("node") is None:
         pytest.skip("node/npm is not installed: the real harness CLIs cannot be installed")
     return ensure_harnesses()
@@ -136,7 +138,6 @@ def run_harness(
     rollout: dict,
     parent: Path,
     timeout_s: float,
-    extra_env: dict[str, str] | None = None,
 ) -> HarnessRun:
     """One headless run of `harness` against the gateway `rollout` (the admin API's answer to
     creating a rollout), in a fresh sandbox tree under `parent`. A run past `timeout_s` is
@@ -157,18 +158,23 @@ def run_harness(
     )
     write_files(dirs.home, launch.files)
     env = base_env(dirs, os.pathsep.join([str(bin_dir), sandbox_path()]))
-    env |= launch.env | (extra_env or {})
+    env |= launch.env
     started = time.monotonic()
     proc = subprocess.Popen(
-        launch.argv, cwd=dirs.work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        launch.argv,
+        cwd=dirs.work,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
         code: int | None = proc.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         code = None
     return HarnessRun(launch.argv, code, stdout, stderr, time.monotonic() - started, dirs)
-
