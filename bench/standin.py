@@ -155,10 +155,12 @@ async def serve(host: str, port: int, data_dir: Path = DATA) -> None:
         await server.serve_forever()
 
 
-def start(port: int, data_dir: Path = DATA) -> subprocess.Popen:
-    """The stand-in in its own process; returns once it answers `/health`."""
+def start(port: int, data_dir: Path = DATA, argv: list[str] | None = None) -> subprocess.Popen:
+    """The stand-in (or `argv`, another stand-in module) in its own process; returns once it
+    answers `/health`."""
+    argv = argv or ["-m", "bench.standin", "--port", str(port), "--data-dir", str(data_dir)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.standin", "--port", str(port), "--data-dir", str(data_dir)],
+        [sys.executable, *argv],
         cwd=Path(__file__).resolve().parents[1],
         stdout=subprocess.DEVNULL,
         start_new_session=True,

@@ -10,6 +10,7 @@ import msgspec
 from aiohttp import web
 
 from gateway.auth import check_admin, hash_key, new_rollout_key
+from gateway.continuation import counts as continuation_counts
 from gateway.finalize import merge_rollout
 from gateway.protocols.errors import GatewayError
 from gateway.services import Services
@@ -116,6 +117,7 @@ async def _summary(svc: Services, rollout_id: uuid.UUID) -> dict:
         "harness": row["harness"],
         "merge": row["merge_stats"]
         and {"stats": row["merge_stats"], "options": row["merge_options"]},
+        "continuation": continuation_counts(c["continuation"] for c in calls),
         "calls": calls,
     }
 

@@ -34,9 +34,17 @@ class GatewayConfig:
     upstream_timeout_s: float = 600.0
     record_bodies: bool = True
     rollout_timeout_s: float | None = None  # default deadline for rollouts that name none
+    # exact: a request that continues an earlier call of its rollout gets that call's prompt and
+    # sampled ids back as its prompt prefix; render: the engine re-renders every conversation.
+    continuation: str = "exact"
+    # The served model's directory: continuations are then rendered in the gateway with its chat
+    # template and tokenizer wherever they reproduce the engine's ids (else by the engine).
+    local_template: Path | None = None
     merge_options: MergeOptions = field(default_factory=MergeOptions)
 
     def __post_init__(self) -> None:
+        if self.continuation not in ("exact", "render"):
+            raise ValueError(f"continuation must be exact or render, not {self.continuation!r}")
         self.upstreams = [u.rstrip("/") for u in self.upstreams]
         if not self.public_url:
             self.public_url = f"http://{self.host}:{self.port}"
@@ -122,6 +130,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="default deadline of a rollout that names none; past it the rollout ends as timeout",
     )
+    parser.add_argument(
+        "--continuation",
+        choices=("exact", "render"),
+        default=_env("CONTINUATION", "exact"),
+        help="how a request that continues an earlier call is prompted: `exact` hands the engine "
+        "the tokens it sampled then (the rollout stays one training sequence), `render` lets it "
+        "re-render the conversation (drift forks the sequence) (env ROLLTAP_CONTINUATION; "
+        "default %(default)s)",
+    )
+    parser.add_argument(
+        "--local-template",
+        type=Path,
+        default=_env("LOCAL_TEMPLATE"),
+        metavar="MODEL_DIR",
+        help="the served model's directory (tokenizer.json, tokenizer_config.json): render "
+        "exact continuations in the gateway with its chat template and tokenizer, which saves "
+        "the engine round trip; used only where a self-check against the engine shows the same "
+        "ids, and cross-checked on a sample of calls (env ROLLTAP_LOCAL_TEMPLATE)",
+    )
     for what, why in (
         ("auxiliary", "sequences none of whose calls offered tools (titles, summaries)"),
         ("abandoned", "retries the harness did not continue"),
@@ -155,6 +182,8 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         upstream_timeout_s=args.upstream_timeout,
         record_bodies=not args.no_record_bodies,
         rollout_timeout_s=args.rollout_timeout,
+        continuation=args.continuation,
+        local_template=args.local_template,
         merge_options=MergeOptions(
             train_auxiliary=args.train_auxiliary,
             train_abandoned=args.train_abandoned,

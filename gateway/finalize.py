@@ -58,6 +58,9 @@ async def merge_rollout(pool: asyncpg.Pool, rollout_id: UUID, options: MergeOpti
     stats = msgspec.to_builtins(result.stats)
     harness = next((h for h in map(harness_of, (r["user_agent"] for r in rows)) if h), None)
     async with pool.acquire() as conn, conn.transaction():
+        # Two gateways may merge one rollout at once (a finish and another's deadline sweep):
+        # the lock makes the second wait and then replace the first's identical result.
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", str(rollout_id))
         await traces_store.replace(
             conn, rollout_id, result.sequences, stats, msgspec.to_builtins(options), harness
         )

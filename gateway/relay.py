@@ -15,6 +15,7 @@ import numpy as np
 from aiohttp import web
 
 from gateway.capture import Capture
+from gateway.continuer import Turn
 from gateway.merge import best_base
 from gateway.protocols.errors import GatewayError
 from gateway.protocols.normalize import normalize_messages
@@ -113,6 +114,7 @@ class _Call:
         self.requested: dict = {}
         self.applied: dict = {}
         self.offered_tools = False
+        self.turn: Turn | None = None  # the continuation step (chat-completions upstreams)
         # For stateful protocols: response object -> what to store for later continuation.
         self.state = None
         self.state_source = None  # the response object (or its bytes) given to the client
@@ -129,6 +131,10 @@ class _Call:
                     conn, self.rollout_id, svc.recent.per_rollout
                 )
             svc.recent.load(self.rollout_id, candidates)
+        turn = self.turn
+        if turn is not None:
+            turn.confirm(prompt)
+            candidates = turn.candidates(candidates)
         base_id, prefix_len = best_base(prompt, candidates) if len(prompt) else (None, 0)
         if len(prompt):
             svc.recent.add(self.rollout_id, self.id, np.concatenate((prompt, completion)))
@@ -141,6 +147,7 @@ class _Call:
         if self.state is not None and self.state_source is not None and status == "ok":
             response_summary.update(self.state(self.state_source))
             response_id = response_summary["response_id"]
+        reply_keys = turn.keys.reply_keys(cap.message()) if turn and status == "ok" else None
         rec = calls_store.CallRecord(
             id=self.id,
             rollout_id=self.rollout_id,
@@ -172,8 +179,12 @@ class _Call:
             error=error,
             user_agent=self.user_agent,
             response_id=response_id,
+            continuation=msgspec.to_builtins(turn.record) if turn else None,
+            reply_keys=reply_keys,
         )
         await svc.recorder.record(rec)
+        if reply_keys:  # committed: a later call may now name it as its base
+            svc.continuer.remember(self.rollout_id, self.id, reply_keys)
 
 
 async def relay(
@@ -200,6 +211,10 @@ async def relay(
     call.requested, call.applied = pin_sampling(body, svc.config.temperature, proto.UPSTREAM_PATH)
     body["model"] = ctx.model
     call.upstream = svc.upstreams.pick(rollout_id)
+    if proto.UPSTREAM_PATH == "/v1/chat/completions":  # legacy completions has no messages
+        call.turn = await svc.continuer.prepare(rollout_id, call.upstream, body)
+        if call.turn.prompt_ids is not None:
+            body["kv_transfer_params"] = {"prompt_token_ids": call.turn.prompt_ids.tolist()}
     version_at_start = svc.policy_version
 
     try:

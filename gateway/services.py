@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 import asyncpg
@@ -9,11 +11,33 @@ import zstandard
 
 from gateway.auth import RolloutKeys
 from gateway.config import GatewayConfig
+from gateway.continuer import Continuer
 from gateway.protocols.errors import GatewayError
 from gateway.recorder import Recorder
+from gateway.render import (
+    CheckedRenderer,
+    EngineRenderer,
+    LocalTemplate,
+    RenderError,
+    Unsupported,
+)
 from gateway.store import rollouts as rollouts_store
 from gateway.store.tokens import RecentCalls
 from gateway.upstream import Upstreams
+
+log = logging.getLogger(__name__)
+
+
+def _renderer(config: GatewayConfig, upstreams: Upstreams) -> EngineRenderer | CheckedRenderer:
+    engine = EngineRenderer(upstreams)
+    if config.local_template is None:
+        return engine
+    try:
+        local = LocalTemplate.from_model_dir(config.local_template)
+    except Unsupported as exc:
+        log.warning("not rendering locally (%s): %s", config.local_template, exc)
+        return engine
+    return CheckedRenderer(engine, local)
 
 
 class Services:
@@ -24,6 +48,8 @@ class Services:
         self.upstreams = Upstreams(config.upstreams, config.upstream_timeout_s)
         self.keys = RolloutKeys(pool)
         self.recent = RecentCalls()
+        self.renderer = _renderer(config, self.upstreams)
+        self.continuer = Continuer(config.continuation, pool, self.recent, self.renderer)
         self.policy_version = 0
         self._models: set[str] = set()
         self._models_checked = 0.0
@@ -38,6 +64,13 @@ class Services:
             self.policy_version = await rollouts_store.policy_version(conn)
         self._models = await self.upstreams.served_models()
         self._models_checked = time.monotonic()
+        if isinstance(self.renderer, CheckedRenderer):
+            for url in self.upstreams.urls:
+                for model in self._models:
+                    try:
+                        await asyncio.wait_for(self.renderer.self_check(url, model), 30)
+                    except (RenderError, TimeoutError) as exc:  # checked again on first use
+                        log.warning("local template self-check on %s failed: %r", url, exc)
 
     async def close(self) -> None:
         await self.recorder.close()

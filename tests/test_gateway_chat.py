@@ -10,6 +10,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from tests.support.detokenize import engine_text
+
 TOOLS = [{
     "type": "function",
     "function": {
@@ -39,9 +41,10 @@ def client_for(gateway, rollout: dict) -> openai.OpenAI:
                          max_retries=0, timeout=120)
 
 
-def engine_prompt_ids(vllm_server, messages, tools=None) -> list[int]:
+def engine_prompt_ids(vllm_server, messages, tools=None, generation=True) -> list[int]:
     """The engine's own rendering of `messages`, asked of vLLM directly (not through us)."""
-    body = {"model": vllm_server.model, "messages": messages, "add_generation_prompt": True}
+    body = {"model": vllm_server.model, "messages": messages,
+            "add_generation_prompt": generation}
     if tools:
         body["tools"] = tools
     r = httpx.post(vllm_server.url + "/tokenize", json=body, timeout=30)
@@ -52,7 +55,7 @@ def engine_prompt_ids(vllm_server, messages, tools=None) -> list[int]:
 def assert_faithful(call: dict, text: str, tokenizer, engine_prompt: list[int]) -> None:
     assert call["status"] == "ok"
     assert call["prompt_ids"] == engine_prompt
-    assert tokenizer.decode(call["completion_ids"], skip_special_tokens=True) == text
+    assert engine_text(tokenizer, call) == text
     assert len(call["logprobs"]) == len(call["completion_ids"]) > 0
     assert all(lp <= 0 for lp in call["logprobs"])
     assert len(call["versions"]) == len(call["completion_ids"])
@@ -136,6 +139,7 @@ def test_tool_using_multi_turn_conversation(gateway, vllm_server, tokenizer, str
     assert call_json["function"]["name"] == "get_weather"
     assert json.loads(call_json["function"]["arguments"])["city"] in ("paris", "oslo", "lima")
     messages.append({k: v for k, v in assistant.items() if v is not None})
+    turn_render = engine_prompt_ids(vllm_server, messages, TOOLS, generation=False)
     messages.append({"role": "tool", "tool_call_id": call_json["id"], "content": "sunny, 21 C"})
     prompts.append(engine_prompt_ids(vllm_server, messages, TOOLS))
     _, second_text = turn("none")
@@ -146,7 +150,14 @@ def test_tool_using_multi_turn_conversation(gateway, vllm_server, tokenizer, str
     assert first["prompt_ids"] == prompts[0]
     assert first["finish_reason"] in ("tool_calls", "stop")
     assert first["response"]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
-    assert_faithful(second, second_text, tokenizer, prompts[1])
+    # Exact continuation: the engine saw the first call's own prompt and sampled ids, the
+    # template's end of that assistant turn, then the newly rendered tool result.
+    first_full = first["prompt_ids"] + first["completion_ids"]
+    tail = prompts[1][len(turn_render):]
+    glue = second["prompt_ids"][len(first_full): len(second["prompt_ids"]) - len(tail)]
+    assert second["continuation"]["path"] == "exact"
+    assert 1 <= len(glue) <= 2 and turn_render[-len(glue):] == glue
+    assert_faithful(second, second_text, tokenizer, first_full + glue + tail)
     # Linear storage: the second call stores only what follows its shared prefix with the first.
     assert second["base_call_id"] == first["call_id"]
     assert second["stored_prompt_tokens"] < second["prompt_tokens"]
@@ -166,5 +177,5 @@ def test_legacy_completions_record_engine_tokens(gateway, vllm_server, tokenizer
     [call] = gateway.calls(rollout["rollout_id"])
     assert call["protocol"] == "completions"
     assert call["prompt_ids"] == tokenizer("def add(a, b):")["input_ids"]
-    assert tokenizer.decode(call["completion_ids"], skip_special_tokens=True) == resp.choices[0].text
+    assert engine_text(tokenizer, call) == resp.choices[0].text
     assert len(call["logprobs"]) == len(call["completion_ids"])

@@ -44,6 +44,8 @@ class CallRecord(msgspec.Struct, kw_only=True):
     error: str | None
     user_agent: str | None
     response_id: str | None = None
+    continuation: dict | None = None
+    reply_keys: list[bytes] | None = None
 
 
 # The rollout row lock taken by the UPDATE numbers a rollout's calls in commit order, also when
@@ -55,10 +57,11 @@ WITH bump AS (
 INSERT INTO calls (
     id, rollout_id, seq, protocol, status, base_id, prefix_len, prompt_len, prompt_delta,
     completion_ids, logprobs, versions, finish_reason, offered_tools, model, requested, applied,
-    request_body, response_body, upstream, latency_ms, ttft_ms, error, user_agent, response_id
+    request_body, response_body, upstream, latency_ms, ttft_ms, error, user_agent, response_id,
+    continuation, reply_keys
 )
 SELECT $1, $2, bump.call_count, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
-       $17, $18, $19, $20, $21, $22, $23, $24
+       $17, $18, $19, $20, $21, $22, $23, $24, $25, $26
 FROM bump
 """
 
@@ -89,6 +92,8 @@ def insert_args(r: CallRecord) -> tuple:
         r.error,
         r.user_agent,
         r.response_id,
+        r.continuation,
+        r.reply_keys,
     )
 
 
@@ -109,6 +114,43 @@ async def recent_full_ids(
     stored = await rollout_tokens(conn, rollout_id)
     prompts = reconstruct_prompts(stored)
     return [(s.id, np.concatenate((prompts[s.id], s.completion_ids))) for s in stored[-limit:]]
+
+
+async def full_ids(conn: asyncpg.Connection, rollout_id: UUID, call_id: UUID) -> np.ndarray | None:
+    """Prompt + completion ids of one call, from its chain of bases only; None if no such call
+    in this rollout."""
+    rows = await conn.fetch(
+        f"""
+        WITH RECURSIVE chain AS (
+            SELECT {_TOKEN_COLUMNS} FROM calls WHERE id = $2 AND rollout_id = $1
+            UNION ALL
+            SELECT c.id, c.base_id, c.prefix_len, c.prompt_delta, c.completion_ids
+            FROM calls c JOIN chain ON c.id = chain.base_id
+        )
+        SELECT {_TOKEN_COLUMNS} FROM chain
+        """,
+        rollout_id,
+        call_id,
+    )
+    if not rows:
+        return None
+    stored = [StoredTokens(*r) for r in rows]
+    own = next(s for s in stored if s.id == call_id)
+    return np.concatenate((reconstruct_prompts(stored)[call_id], own.completion_ids))
+
+
+async def find_replies(
+    conn: asyncpg.Connection, rollout_id: UUID, keys: list[bytes]
+) -> list[tuple[UUID, list[bytes]]]:
+    """(call id, reply keys) of the rollout's successful calls whose reply has one of `keys`,
+    oldest first."""
+    rows = await conn.fetch(
+        "SELECT id, reply_keys FROM calls WHERE rollout_id = $1 AND status = 'ok'"
+        " AND reply_keys && $2::bytea[] ORDER BY seq",
+        rollout_id,
+        keys,
+    )
+    return [(r["id"], list(r["reply_keys"])) for r in rows]
 
 
 _dctx = zstandard.ZstdDecompressor()
@@ -154,6 +196,7 @@ async def rollout_calls(
             "user_agent": r["user_agent"],
             "requested": r["requested"],
             "applied": r["applied"],
+            "continuation": r["continuation"],
             "created_at": r["created_at"].isoformat(),
         }
         if with_tokens:

@@ -70,6 +70,10 @@ MIGRATIONS: list[tuple[int, str]] = [
             error          text,
             user_agent     text,
             response_id    text,  -- the protocol's own id, for `previous_response_id` lookups
+            -- exact continuation: how the prompt was made (path, reason, parent call), and the
+            -- keys under which a later request of the rollout finds this call's reply
+            continuation   jsonb,
+            reply_keys     bytea[],
             created_at     timestamptz NOT NULL DEFAULT now(),
             UNIQUE (rollout_id, seq)
         );

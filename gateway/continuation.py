@@ -1,0 +1,242 @@
+"""Exact continuation, the pure part: which earlier call a request continues, and the token ids
+that hand the engine exactly what it sampled then, followed by the new messages.
+
+Detection. A request continues call P of its rollout when its messages, after protocol
+translation and normalisation, start with P's request messages followed by the assistant message
+P returned. Messages are compared in a canonical form (`canonical_message`): text content is the
+same whether sent as a string or as text parts, tool-call arguments are compared as parsed JSON,
+tool-call ids (made up by the parser, never sampled) are ignored, and reasoning counts as the
+harness sends it back: a harness may drop it (P stores a key with and one without it) but not
+change it. Request fields that shape the rendered prompt (`CONTEXT_FIELDS`: tools, model,
+template settings) are part of every key, so a request with other tools never continues P.
+
+Keys are rolling hashes: a call stores the hash of (context, its request messages, its reply);
+a request hashes its messages once, front to back, and its key after each assistant message is a
+candidate. The longest stored match is the parent. Storage is a few 16-byte keys per call, and
+the cost per request is one pass over its messages.
+
+Splice. ids = P's prompt + P's sampled ids + the template's end of an assistant turn (its
+end-of-turn token only if P's last sampled token is not already that token, e.g. P stopped at
+`max_tokens`) + the rendering of everything after the assistant message. The latter is taken
+from two renders with the model's chat template (by the engine, or locally where that gives the
+engine's ids, see gateway/render.py): `turn` (the messages up to and including the assistant
+message, no generation prompt) and `full` (the whole request). It is exact only where the
+template preserves prefixes: `full` must start with `turn`, and `turn` must end with the turn
+end the template gives any assistant message (`assistant_suffix`, probed once per replica and
+request context). Otherwise the call falls back to plain rendering, with the reason recorded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+PATHS = ("exact", "render", "fallback")
+
+# Request fields (besides messages) that change how a chat template renders the conversation.
+CONTEXT_FIELDS = (
+    "model",
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "documents",
+    "add_special_tokens",
+)
+
+# Why a call was rendered plainly (path "render") or could not continue exactly ("fallback").
+FIRST_TURN = "first turn"  # no assistant message to continue from
+NO_PARENT = "no parent"  # assistant turns, but none is the reply of a recorded call
+CONFIGURED = "render configured"  # --continuation render
+MEDIA = "media content"  # the engine renders non-text content itself
+PARENT_TOKENS = "parent tokens unavailable"
+RENDER_FAILED = "render failed"
+TEMPLATE_PROBE = "template turn end unknown"
+REWRITES_HISTORY = "template rewrites history"  # full render does not extend the turn render
+TURN_END = "turn end differs"  # the assistant turn ends unlike the probed template turn end
+IGNORED = "engine ignored prompt ids"  # its echoed prompt is not the splice
+
+_KEY_BYTES = 16
+_encode = msgspec.json.Encoder(order="sorted").encode
+_decode = msgspec.json.decode
+
+
+class ContinuationRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the gateway did for one call, stored with it."""
+
+    path: str  # exact | render | fallback
+    reason: str | None = None
+    parent: str | None = None  # call id of the continued call
+    messages: int = 0  # request messages covered by the parent's request + reply
+    render_ms: float | None = None  # time spent rendering for the splice
+    rendered_by: str | None = None  # engine | local
+
+
+def _texts(content: Any) -> tuple[list, bool]:
+    """Content as a list of texts (non-text parts kept whole) and whether any part is media."""
+    if content is None:
+        return [], False
+    if isinstance(content, str):
+        return ([content] if content else []), False
+    if not isinstance(content, list):
+        return [content], False
+    out: list = []
+    media = False
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "text":
+            if part.get("text"):
+                out.append(part["text"])
+        else:
+            media = True
+            out.append(part)
+    return out, media
+
+
+def _arguments(arguments: Any) -> Any:
+    """Tool-call arguments as a value: a JSON string is parsed, so formatting does not count."""
+    if isinstance(arguments, (str, bytes)):
+        try:
+            return _decode(arguments)
+        except msgspec.DecodeError:
+            return ["unparsed", arguments]
+    return arguments
+
+
+def canonical_message(message: dict, *, reasoning: bool = True) -> tuple[bytes, bool]:
+    """(canonical bytes, has media content) of one chat message."""
+    texts, media = _texts(message.get("content"))
+    calls = []
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function") or call
+        calls.append([fn.get("name"), _arguments(fn.get("arguments"))])
+    thought = (message.get("reasoning_content") or message.get("reasoning")) if reasoning else None
+    form = [
+        message.get("role"),
+        texts,
+        thought or None,
+        calls,
+        message.get("tool_call_id"),
+        message.get("name"),
+    ]
+    return _encode(form), media
+
+
+def _feed(h: Any, data: bytes) -> None:
+    h.update(len(data).to_bytes(4, "little"))
+    h.update(data)
+
+
+def _context_hash(body: dict):
+    h = hashlib.blake2b(digest_size=_KEY_BYTES)
+    _feed(h, _encode([body.get(f) for f in CONTEXT_FIELDS]))
+    return h
+
+
+def context_key(body: dict) -> bytes:
+    """Equal for requests whose conversations render alike (same model, tools, settings)."""
+    return _context_hash(body).digest()
+
+
+class RequestKeys:
+    """The continuation keys of one chat-completions request body.
+
+    `keys[i]` is the key of the conversation up to and including the assistant message at
+    `positions[i]`; only assistant messages followed by another message are candidates (a final
+    assistant message is a prefill, not a reply to continue from)."""
+
+    __slots__ = ("context", "keys", "positions", "media", "_end")
+
+    def __init__(self, body: dict) -> None:
+        h = _context_hash(body)
+        self.context = h.digest()
+        messages = body.get("messages") or ()
+        self.keys: list[bytes] = []
+        self.positions: list[int] = []
+        self.media = False
+        for i, message in enumerate(messages):
+            data, media = canonical_message(message)
+            self.media |= media
+            _feed(h, data)
+            if message.get("role") == "assistant" and i + 1 < len(messages):
+                self.keys.append(h.copy().digest())
+                self.positions.append(i)
+        self._end = h
+
+    def reply_keys(self, reply: dict) -> list[bytes]:
+        """Keys under which a later request finds the call that got this request and returned
+        `reply`: as returned, and without its reasoning (harnesses that do not send it back)."""
+        variants = [canonical_message(reply)[0]]
+        bare = canonical_message(reply, reasoning=False)[0]
+        if bare != variants[0]:
+            variants.append(bare)
+        keys = []
+        for data in variants:
+            h = self._end.copy()
+            _feed(h, data)
+            keys.append(h.digest())
+        return keys
+
+    def longest(self, known: Iterable[bytes]) -> int:
+        """Index into `keys` of the longest key in `known`, or -1."""
+        known = known if isinstance(known, (set, frozenset, dict)) else set(known)
+        for i in range(len(self.keys) - 1, -1, -1):
+            if self.keys[i] in known:
+                return i
+        return -1
+
+
+def assistant_suffix(generation: Sequence[int], empty_turn: Sequence[int]) -> tuple[int, ...]:
+    """The tokens a template puts after an assistant message's content (end-of-turn token and
+    the glue before the next message), from two renders of one user message: with the
+    generation prompt, and followed by an empty assistant message. Empty if they say nothing."""
+    shared = 0
+    for a, b in zip(generation, empty_turn):
+        if a != b:
+            break
+        shared += 1
+    return tuple(empty_turn[shared:])
+
+
+def splice(
+    parent_full: np.ndarray,
+    turn_end: Sequence[int],
+    tail: Sequence[int],
+    suffix: Sequence[int],
+) -> tuple[np.ndarray | None, str | None]:
+    """(prompt ids, None) for an exact continuation, or (None, reason) when there is none.
+
+    `parent_full`: the parent's prompt + sampled ids. `turn_end`: the last tokens of the render
+    of the request up to and including the parent's reply; `tail`: the render of the whole
+    request past that point (see render.Around). `suffix`: the template's assistant turn end."""
+    n = len(suffix)
+    if not n:
+        return None, TEMPLATE_PROBE
+    if len(turn_end) < n or tuple(turn_end[-n:]) != tuple(suffix):
+        return None, TURN_END
+    glue = suffix[1:] if parent_full.size and parent_full[-1] == suffix[0] else suffix
+    ids = np.concatenate(
+        (
+            parent_full.astype(np.int64, copy=False),
+            np.asarray(glue, dtype=np.int64),
+            np.asarray(tail, dtype=np.int64),
+        )
+    )
+    return ids, None
+
+
+def counts(records: Iterable[dict | None]) -> dict:
+    """Per path and per reason, over the calls' stored continuation records."""
+    paths = dict.fromkeys(PATHS, 0)
+    reasons: dict[str, int] = {}
+    for rec in records:
+        if not rec:
+            continue
+        paths[rec["path"]] = paths.get(rec["path"], 0) + 1
+        if rec.get("reason"):
+            key = f"{rec['path']}: {rec['reason']}"
+            reasons[key] = reasons.get(key, 0) + 1
+    return {**paths, "reasons": dict(sorted(reasons.items()))}

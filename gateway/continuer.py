@@ -1,0 +1,228 @@
+"""The continuation step of a call (see gateway/continuation.py for what and why): find the
+call a request continues, render, splice; and remember each call's reply for the calls after it.
+
+Parents are found in an in-memory index of reply keys per rollout; the database answers what the
+index cannot (a restart, or the previous turn served by another gateway), and is asked only when
+the request's last assistant turn is not in the index. The parent's tokens come from the recent
+calls cache or, failing that, from its stored base chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from uuid import UUID
+
+import asyncpg
+import msgspec
+import numpy as np
+
+from gateway import continuation as cont
+from gateway.continuation import ContinuationRecord, RequestKeys
+from gateway.render import CheckedRenderer, EngineRenderer, RenderError, render_body
+from gateway.store import calls as calls_store
+from gateway.store.tokens import RecentCalls
+
+log = logging.getLogger(__name__)
+
+_PROBE_USER = {"role": "user", "content": "x"}
+_PROBE_EMPTY_REPLY = {"role": "assistant", "content": ""}
+
+
+class Turn:
+    """One call's continuation: its request keys, what was decided, and the ids to send."""
+
+    __slots__ = ("keys", "record", "parent_id", "parent_full", "prompt_ids")
+
+    def __init__(
+        self,
+        keys: RequestKeys,
+        record: ContinuationRecord,
+        parent_id: UUID | None = None,
+        parent_full: np.ndarray | None = None,
+        prompt_ids: np.ndarray | None = None,
+    ) -> None:
+        self.keys = keys
+        self.record = record
+        self.parent_id = parent_id
+        self.parent_full = parent_full
+        self.prompt_ids = prompt_ids
+
+    def confirm(self, prompt: np.ndarray) -> None:
+        """Checks the engine's prompt against the splice: an engine that rendered the messages
+        instead (it does so for media content) must not leave an `exact` record behind."""
+        if (
+            self.prompt_ids is not None
+            and prompt.size
+            and not np.array_equal(prompt, self.prompt_ids)
+        ):
+            self.record = msgspec.structs.replace(self.record, path="fallback", reason=cont.IGNORED)
+            self.prompt_ids = self.parent_full = None
+
+    def candidates(self, recent: list[tuple[UUID, np.ndarray]]) -> list[tuple[UUID, np.ndarray]]:
+        """Delta-encoding candidates with the parent added: it is the best base of an exact
+        continuation even when it dropped out of the recent calls."""
+        if self.parent_full is None or any(cid == self.parent_id for cid, _ in recent):
+            return recent
+        return [*recent, (self.parent_id, self.parent_full)]
+
+
+class _Replies:
+    __slots__ = ("calls", "missing")
+
+    def __init__(self) -> None:
+        self.calls: dict[bytes, UUID] = {}  # reply key -> call id, oldest first
+        # Keys the database did not know either: a harness that sends the same unknown turn
+        # again (a rewritten history) costs one query, not one per call.
+        self.missing: dict[bytes, None] = {}
+
+
+class ReplyIndex:
+    """Reply key -> call id, per running rollout; bounded, newest rollouts kept. A miss costs a
+    database query or an exact continuation, never correctness."""
+
+    def __init__(self, per_rollout: int = 4096, rollouts: int = 4096) -> None:
+        self._per_rollout = per_rollout
+        self._rollouts = rollouts
+        self._index: OrderedDict[UUID, _Replies] = OrderedDict()
+
+    def get(self, rollout_id: UUID) -> _Replies:
+        replies = self._index.get(rollout_id)
+        if replies is None:
+            replies = self._index[rollout_id] = _Replies()
+            while len(self._index) > self._rollouts:
+                self._index.popitem(last=False)
+        self._index.move_to_end(rollout_id)
+        return replies
+
+    def add(self, rollout_id: UUID, call_id: UUID, reply_keys: list[bytes]) -> None:
+        replies = self.get(rollout_id)
+        for key in reply_keys:
+            replies.calls.pop(key, None)  # re-inserted as newest
+            replies.calls[key] = call_id
+            replies.missing.pop(key, None)
+        _trim(replies.calls, self._per_rollout)
+
+    def add_missing(self, rollout_id: UUID, keys: list[bytes]) -> None:
+        replies = self.get(rollout_id)
+        replies.missing.update(dict.fromkeys(k for k in keys if k not in replies.calls))
+        _trim(replies.missing, self._per_rollout)
+
+
+def _trim(d: dict, limit: int) -> None:
+    while len(d) > limit:
+        del d[next(iter(d))]
+
+
+class Continuer:
+    def __init__(
+        self,
+        mode: str,
+        pool: asyncpg.Pool,
+        recent: RecentCalls,
+        renderer: EngineRenderer | CheckedRenderer,
+    ) -> None:
+        self.mode = mode
+        self._pool = pool
+        self._recent = recent
+        self._renderer = renderer
+        self._index = ReplyIndex()
+        # (upstream, context key) -> the template's assistant turn end; bounded by the number of
+        # distinct tool sets and models, small in practice.
+        self._suffixes: OrderedDict[tuple[str, bytes], tuple[int, ...]] = OrderedDict()
+
+    async def prepare(self, rollout_id: UUID, upstream: str, body: dict) -> Turn:
+        """Decides how the engine gets this request's prompt; a render that fails means a plain
+        render, not a failed request."""
+        keys = RequestKeys(body)
+        if not keys.keys:
+            return Turn(keys, ContinuationRecord(path="render", reason=cont.FIRST_TURN))
+        found = await self._find(rollout_id, keys)
+        if found is None:
+            return Turn(keys, ContinuationRecord(path="render", reason=cont.NO_PARENT))
+        i, parent_id = found
+        record = ContinuationRecord(
+            path="render", parent=str(parent_id), messages=keys.positions[i] + 1
+        )
+
+        def plain(path: str, reason: str, **extra) -> Turn:
+            return Turn(keys, msgspec.structs.replace(record, path=path, reason=reason, **extra))
+
+        if self.mode == "render":
+            return plain("render", cont.CONFIGURED)
+        if keys.media:
+            return plain("fallback", cont.MEDIA)
+        parent_full = await self._parent_ids(rollout_id, parent_id)
+        if parent_full is None or not parent_full.size:
+            return plain("fallback", cont.PARENT_TOKENS)
+        started = time.perf_counter()
+        try:
+            suffix, around = await asyncio.gather(
+                self._suffix(upstream, body, keys.context),
+                self._renderer.around(upstream, body, keys.positions[i] + 1),
+            )
+        except RenderError as exc:
+            log.warning("continuation render failed, rendering plainly: %s", exc)
+            return plain("fallback", cont.RENDER_FAILED)
+        render_ms = round((time.perf_counter() - started) * 1000, 3)
+        if around is None:
+            return plain("fallback", cont.REWRITES_HISTORY, render_ms=render_ms)
+        ids, reason = cont.splice(parent_full, around.turn_end, around.tail, suffix)
+        if ids is None:
+            return plain("fallback", reason, render_ms=render_ms, rendered_by=around.by)
+        return Turn(
+            keys,
+            msgspec.structs.replace(
+                record, path="exact", render_ms=render_ms, rendered_by=around.by
+            ),
+            parent_id,
+            parent_full,
+            ids,
+        )
+
+    def remember(self, rollout_id: UUID, call_id: UUID, reply_keys: list[bytes]) -> None:
+        self._index.add(rollout_id, call_id, reply_keys)
+
+    async def _find(self, rollout_id: UUID, keys: RequestKeys) -> tuple[int, UUID] | None:
+        replies = self._index.get(rollout_id)
+        i = keys.longest(replies.calls)
+        unknown = [k for k in keys.keys[i + 1 :] if k not in replies.missing]
+        if unknown:
+            async with self._pool.acquire() as conn:
+                rows = await calls_store.find_replies(conn, rollout_id, unknown)
+            for call_id, reply_keys in rows:  # oldest first: the newest call wins a shared key
+                self._index.add(rollout_id, call_id, reply_keys)
+            self._index.add_missing(rollout_id, unknown)
+            i = keys.longest(replies.calls)
+        return None if i < 0 else (i, replies.calls[keys.keys[i]])
+
+    async def _parent_ids(self, rollout_id: UUID, call_id: UUID) -> np.ndarray | None:
+        for cid, full in self._recent.get(rollout_id) or ():
+            if cid == call_id:
+                return full
+        async with self._pool.acquire() as conn:
+            return await calls_store.full_ids(conn, rollout_id, call_id)
+
+    async def _suffix(self, upstream: str, body: dict, context: bytes) -> tuple[int, ...]:
+        """The template's assistant turn end under this request's context, probed once."""
+        key = (upstream, context)
+        suffix = self._suffixes.get(key)
+        if suffix is None:
+            generation, empty_turn = await asyncio.gather(
+                self._renderer.render(
+                    upstream, render_body(body, [_PROBE_USER], ending="generation")
+                ),
+                self._renderer.render(
+                    upstream,
+                    render_body(body, [_PROBE_USER, _PROBE_EMPTY_REPLY], ending="none"),
+                ),
+            )
+            suffix = cont.assistant_suffix(generation, empty_turn)
+            if not suffix:
+                log.warning("chat template shows no assistant turn end; continuing plainly")
+            self._suffixes[key] = suffix
+            while len(self._suffixes) > 1024:
+                self._suffixes.popitem(last=False)
+        return suffix

@@ -1,0 +1,589 @@
+"""Chat messages to prompt token ids with the model's chat template, without generating.
+
+`EngineRenderer` asks the replica (`POST /v1/chat/completions/render`, served by vLLM started
+with `--enable-scale-out`): the ids are by construction the ones the engine would use, at the
+cost of a round trip. `LocalTemplate` renders in the gateway with the model's chat template and
+a tiktoken encoding built from its byte-level BPE, and tokenizes only the new part of a
+continued conversation. It only approximates what the engine does (vLLM's message
+preprocessing, Hugging Face's tokenizer), so `CheckedRenderer` uses it only for a replica and
+model where it reproduced the engine's ids on a probe set, and for a request context (tools,
+template settings) where it agreed with the engine on the first request; it cross-checks a
+sample of later requests too, and stops using it for a context on any mismatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import unicodedata
+from datetime import datetime
+from pathlib import Path
+from typing import NamedTuple
+
+import aiohttp
+import msgspec
+import numpy as np
+
+from gateway.continuation import CONTEXT_FIELDS, context_key
+from gateway.protocols.errors import GatewayError
+from gateway.upstream import Upstreams
+
+log = logging.getLogger(__name__)
+
+RENDER_PATH = "/v1/chat/completions/render"
+# Tokens kept from the end of the render up to the parent's reply: enough for any template's
+# end of an assistant turn.
+_TURN_END_TOKENS = 16
+
+
+class RenderError(Exception):
+    """The engine could not render a request (its message says why)."""
+
+
+class Around(NamedTuple):
+    """A request rendered around the reply it continues."""
+
+    turn_end: tuple[int, ...]  # the last tokens of the render up to and including the reply
+    tail: list[int]  # the render of the whole request past that point
+    by: str  # engine | local
+
+    def same_ids(self, other: Around) -> bool:
+        """Whether two renders agree (a local one may keep fewer end tokens)."""
+        a, b = self.turn_end, other.turn_end
+        n = min(len(a), len(b))
+        return self.tail == other.tail and a[len(a) - n :] == b[len(b) - n :]
+
+
+def render_body(body: dict, messages: list[dict], *, ending: str) -> dict:
+    """A render request for `messages` with `body`'s template settings, ending as `body` ends
+    (`ending="request"`: generation prompt or continued final message), with the generation
+    prompt ("generation") or with neither ("none"). Sampling and tool-choice fields are left out:
+    they do not change the prompt, and a forced tool choice would make the engine build a grammar
+    for nothing."""
+    out = {k: body[k] for k in CONTEXT_FIELDS if k in body}
+    out["messages"] = messages
+    if body.get("tool_choice") == "none":  # may drop the tools from the prompt
+        out["tool_choice"] = "none"
+    if ending == "request":
+        for k in ("add_generation_prompt", "continue_final_message"):
+            if k in body:
+                out[k] = body[k]
+    else:
+        out["add_generation_prompt"] = ending == "generation"
+    return out
+
+
+def split_around(turn: list[int], full: list[int], by: str) -> Around | None:
+    """`full` cut after `turn`; None if it does not start with `turn` (the template renders the
+    earlier conversation differently once more messages follow)."""
+    n = len(turn)
+    if len(full) < n or full[:n] != turn:
+        return None
+    return Around(tuple(turn[-_TURN_END_TOKENS:]), full[n:], by)
+
+
+class _Rendered(msgspec.Struct):
+    token_ids: list[int]
+
+
+_decode_rendered = msgspec.json.Decoder(_Rendered).decode
+_encode = msgspec.json.encode
+
+
+class EngineRenderer:
+    def __init__(self, upstreams: Upstreams) -> None:
+        self._upstreams = upstreams
+
+    async def render(self, upstream: str, body: dict) -> list[int]:
+        try:
+            resp = await self._upstreams.post(upstream, RENDER_PATH, _encode(body))
+        except GatewayError as exc:
+            raise RenderError(exc.message) from exc
+        try:
+            async with resp:
+                raw = await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise RenderError(f"{RENDER_PATH} broke off: {exc or type(exc).__name__}") from exc
+        if resp.status != 200:
+            raise RenderError(f"{RENDER_PATH} answered {resp.status}: {raw[:500]!r}")
+        try:
+            return _decode_rendered(raw).token_ids
+        except msgspec.DecodeError as exc:
+            raise RenderError(f"{RENDER_PATH} answered unreadable JSON: {exc}") from exc
+
+    async def around(self, upstream: str, body: dict, upto: int) -> Around | None:
+        """`body` rendered around its message `upto - 1` (the reply it continues)."""
+        turn, full = await asyncio.gather(
+            self.render(upstream, render_body(body, body["messages"][:upto], ending="none")),
+            self.render(upstream, render_body(body, body["messages"], ending="request")),
+        )
+        return split_around(turn, full, "engine")
+
+
+# -- local rendering ------------------------------------------------------------------------------
+
+
+class Unsupported(Exception):
+    """The model's tokenizer or template is outside what local rendering reproduces."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte <-> printable character table of byte-level BPE (GPT-2's)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+# GPT-2's pre-tokenizer pattern, which a ByteLevel pre-tokenizer with `use_regex` applies.
+_GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _pattern(pre: dict | None) -> str:
+    if pre is None:
+        raise Unsupported("no pre-tokenizer")
+    if pre.get("type") == "ByteLevel":
+        if pre.get("add_prefix_space") or not pre.get("use_regex", True):
+            raise Unsupported("ByteLevel pre-tokenizer options")
+        return _GPT2_PATTERN
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    if (
+        not steps
+        or len(steps) != 2
+        or steps[0].get("type") != "Split"
+        or steps[0].get("behavior") != "Isolated"
+        or steps[0].get("invert")
+        or "Regex" not in (steps[0].get("pattern") or {})
+        or steps[1].get("type") != "ByteLevel"
+        or steps[1].get("add_prefix_space")
+        or steps[1].get("use_regex")
+    ):
+        raise Unsupported(f"pre-tokenizer {pre.get('type')}")
+    return steps[0]["pattern"]["Regex"]
+
+
+def encoding_from_tokenizer_json(spec: dict):
+    """A tiktoken encoding equal to a Hugging Face byte-level BPE `tokenizer.json`, the map from
+    its token values to the model's ids, whether text is NFC-normalised first, and the special
+    token strings. Merges become ranks (tiktoken merges the adjacent pair whose bytes rank
+    lowest, which for a BPE vocabulary is the pair merged first); added tokens become special
+    tokens, matched anywhere in the text before the BPE runs, as Hugging Face does."""
+    import tiktoken
+
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("dropout"):
+        raise Unsupported(f"tokenizer model {model.get('type')}")
+    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        raise Unsupported("subword affixes")
+    normalizer = spec.get("normalizer")
+    if normalizer is not None and normalizer.get("type") != "NFC":
+        raise Unsupported(f"normalizer {normalizer.get('type')}")
+    pattern = _pattern(spec.get("pre_tokenizer"))
+    to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+
+    def raw(token: str) -> bytes:
+        try:
+            return bytes(to_byte[c] for c in token)
+        except KeyError:
+            raise Unsupported(f"token {token!r} is not byte-level") from None
+
+    vocab: dict[str, int] = model["vocab"]
+    ranks: dict[bytes, int] = {}
+    ids: list[int] = []
+    reached: set[str] = set()
+
+    def add(token: str) -> None:
+        if raw(token) not in ranks:
+            ranks[raw(token)] = len(ids)
+            ids.append(vocab[token])
+            reached.add(token)
+
+    for token, _ in sorted(vocab.items(), key=lambda kv: kv[1]):
+        if len(raw(token)) == 1:
+            add(token)
+    if len(ranks) != 256:
+        raise Unsupported("the vocabulary lacks single bytes")
+    for merge in model.get("merges") or ():
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        if left + right in vocab:
+            add(left + right)
+    added_tokens = spec.get("added_tokens") or ()
+    if vocab.keys() - reached - {a["content"] for a in added_tokens}:
+        raise Unsupported("vocabulary entries that no merge produces")
+    specials: dict[str, int] = {}
+    for added in added_tokens:
+        if added.get("lstrip") or added.get("rstrip") or added.get("single_word"):
+            raise Unsupported(f"added token {added['content']!r} strips or matches words")
+        specials[added["content"]] = len(ids)
+        ids.append(added["id"])
+    encoding = tiktoken.Encoding(
+        "rolltap-local", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
+    )
+    return encoding, np.asarray(ids, dtype=np.int64), normalizer is not None, list(specials)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # As Hugging Face's templates expect: no HTML escaping, options exposed.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _compile(template: str):
+    """The template in an environment like the one Hugging Face renders chat templates in."""
+    try:  # installed with vLLM and transformers, not required by the gateway itself
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as exc:
+        raise Unsupported(f"jinja2 is needed to run chat templates: {exc}") from exc
+
+    class Generation(jinja2.ext.Extension):
+        """`{% generation %}` marks assistant text for training masks; rendering ignores it."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(
+                lineno
+            )
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as exc:
+        raise Unsupported(f"chat template: {exc}") from exc
+
+
+# How vLLM hands message content to a template, depending on what the template iterates over.
+_CONTENT_FORMATS = ("openai", "string")
+
+
+def _tool_call(call: dict) -> dict:
+    """As vLLM hands a tool call to templates: arguments a JSON object, {} if they are none."""
+    fn = call.get("function") or {}
+    arguments = fn.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = None
+    return {
+        "id": call.get("id"),
+        "type": call.get("type", "function"),
+        "function": {
+            "name": fn.get("name"),
+            "arguments": arguments if isinstance(arguments, dict) else {},
+        },
+    }
+
+
+def conversation(messages: list[dict], content_format: str) -> list[dict] | None:
+    """The messages the way vLLM passes text-only chat messages to a template (`openai`: content
+    as text parts; `string`: parts joined by newlines), or None for what this does not cover."""
+    out = []
+    for m in messages:
+        role = m.get("role")
+        if role not in ("system", "user", "assistant", "tool"):
+            return None
+        content = m.get("content")
+        parts = [] if content is None else [content] if isinstance(content, str) else content
+        texts = []
+        for part in parts:
+            if isinstance(part, str):
+                texts.append(part)
+            elif (
+                isinstance(part, dict)
+                and part.keys() == {"type", "text"}
+                and part["type"] == "text"
+            ):
+                if not isinstance(part["text"], str):
+                    return None
+                texts.append(part["text"])
+            else:
+                return None
+        msg: dict = {"role": role}
+        if content_format == "openai" and role != "tool":
+            msg["content"] = [{"type": "text", "text": t} for t in texts]
+        else:
+            msg["content"] = "\n".join(t for t in texts if t or content_format == "openai")
+        if role == "assistant":
+            if m.get("tool_calls"):
+                msg["tool_calls"] = [_tool_call(c) for c in m["tool_calls"]]
+            if m.get("reasoning") is not None:
+                msg["reasoning"] = msg["reasoning_content"] = m["reasoning"]
+        elif role == "tool" and "tool_call_id" in m:
+            msg["tool_call_id"] = m["tool_call_id"]
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _tool_dump(tool: dict) -> dict:
+    """A tool as vLLM's request model dumps it for the template."""
+    fn = tool.get("function") or {}
+    dumped = {k: fn.get(k) for k in ("name", "description", "parameters")}
+    for k in ("strict", "defer_loading"):
+        if fn.get(k) is not None:
+            dumped[k] = fn[k]
+    extra = {k: v for k, v in tool.items() if k not in ("type", "function", "defer_loading")}
+    return {
+        "type": tool.get("type", "function"),
+        "function": dumped,
+        "defer_loading": tool.get("defer_loading"),
+        **extra,
+    }
+
+
+class LocalTemplate:
+    """A model's chat template and tokenizer, run in the gateway."""
+
+    def __init__(self, template: str, tokenizer_json: dict, variables: dict) -> None:
+        self._template = _compile(template)
+        self._encoding, self._ids, self._nfc, specials = encoding_from_tokenizer_json(
+            tokenizer_json
+        )
+        longest_first = sorted(specials, key=len, reverse=True)
+        self._specials = re.compile("|".join(map(re.escape, longest_first))) if specials else None
+        self._variables = variables
+
+    @classmethod
+    def from_model_dir(cls, path: Path) -> LocalTemplate:
+        try:
+            config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+            spec = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+            jinja_file = path / "chat_template.jinja"
+            template = (
+                jinja_file.read_text(encoding="utf-8")
+                if jinja_file.exists()
+                else config.get("chat_template")
+            )
+        except (OSError, ValueError) as exc:
+            raise Unsupported(f"cannot read the tokenizer in {path}: {exc}") from exc
+        if not isinstance(template, str):
+            raise Unsupported("no single chat template")
+        variables = {}
+        for name in ("bos", "eos", "unk", "sep", "pad", "cls", "mask"):
+            value = config.get(f"{name}_token")
+            if isinstance(value, dict):
+                value = value.get("content")
+            if value is not None:
+                variables[f"{name}_token"] = value
+        if config.get("additional_special_tokens"):
+            variables["additional_special_tokens"] = config["additional_special_tokens"]
+        try:
+            return cls(template, spec, variables)
+        except (KeyError, TypeError, ValueError) as exc:  # a tokenizer.json of another shape
+            raise Unsupported(f"tokenizer in {path}: {exc!r}") from exc
+
+    def text(self, body: dict, content_format: str) -> str | None:
+        """The prompt text of a render request (see `render_body`); None if the request uses
+        something local rendering does not reproduce (the engine renders it then)."""
+        if any(k in body for k in ("chat_template", "documents", "continue_final_message")):
+            return None
+        if body.get("tool_choice") == "none" and body.get("tools"):
+            return None
+        messages = conversation(body["messages"], content_format)
+        if messages is None:
+            return None
+        tools = body.get("tools")
+        return self._template.render(
+            messages=messages,
+            tools=[_tool_dump(t) for t in tools] if tools else None,
+            documents=None,
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            **self._variables,
+            **(body.get("chat_template_kwargs") or {}),
+        )
+
+    def encode(self, text: str) -> list[int]:
+        if self._nfc:
+            text = unicodedata.normalize("NFC", text)
+        ranks = self._encoding.encode(text, allowed_special="all")
+        return self._ids[ranks].tolist()
+
+    def render(self, body: dict, content_format: str) -> list[int] | None:
+        text = self.text(body, content_format)
+        return None if text is None else self.encode(text)
+
+    def around(self, body: dict, upto: int, content_format: str) -> Around | None | bool:
+        """As `EngineRenderer.around`, or False if the request is not for local rendering.
+
+        Tokenizing at a special token gives the same ids as tokenizing the text around it
+        (the tokenizer splits there first), so when the new part starts with one only the new
+        part and the end of the earlier turn are tokenized: the cost follows the turn, not the
+        conversation."""
+        turn = self.text(render_body(body, body["messages"][:upto], ending="none"), content_format)
+        full = self.text(render_body(body, body["messages"], ending="request"), content_format)
+        if turn is None or full is None:
+            return False
+        if not full.startswith(turn):
+            return None
+        tail = full[len(turn) :]
+        starts = [m.start() for m in self._specials.finditer(turn)] if self._specials else []
+        if len(starts) < 2 or (tail and not self._specials.match(tail)):
+            return split_around(self.encode(turn), self.encode(full), "local")
+        # From the second-last special token: the turn's end whatever its template looks like.
+        return Around(
+            tuple(self.encode(turn[starts[-2] :])[-_TURN_END_TOKENS:]), self.encode(tail), "local"
+        )
+
+
+# A few conversation shapes, each rendered with and without a generation prompt and with and
+# without a tool: what a replica and model must reproduce before local rendering is used for them.
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe",
+        "description": "A probe.",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+    },
+}
+_PROBES = (
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}],
+    [{"role": "user", "content": "Hi   there\n\n  friend\t!"}],
+    [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "2"}],
+        },
+        {"role": "assistant", "content": "a b", "refusal": None},
+        {"role": "user", "content": "cafe\u0301 \u00e9t\u00e9 \u4e2d\u6587 \U0001f600"},
+    ],
+    [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning": "hmm",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "probe", "arguments": '{ "x" :  "y"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ],
+)
+
+
+class CheckedRenderer:
+    """Local rendering where it has reproduced the engine, the engine everywhere else."""
+
+    def __init__(self, engine: EngineRenderer, local: LocalTemplate, sample_every: int = 32):
+        self._engine = engine
+        self._local = local
+        self._sample_every = sample_every
+        # (upstream, model) -> content format that reproduced the engine, or None
+        self._models: dict[tuple[str, str], str | None] = {}
+        self._model_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # (upstream, context key) -> whether local rendering agreed with the engine there
+        self._contexts: dict[tuple[str, bytes], bool] = {}
+        self._checks: set[asyncio.Task] = set()
+        self.stats = {"local": 0, "engine": 0, "checked": 0, "mismatches": 0}
+
+    async def render(self, upstream: str, body: dict) -> list[int]:
+        return await self._engine.render(upstream, body)
+
+    async def self_check(self, upstream: str, model: str) -> str | None:
+        """The content format in which local rendering reproduces `upstream`'s ids for `model`
+        on every probe, or None; decided once per replica and model."""
+        key = (upstream, model)
+        if key in self._models:
+            return self._models[key]
+        async with self._model_locks.setdefault(key, asyncio.Lock()):
+            if key in self._models:
+                return self._models[key]
+            bodies = [
+                {"model": model, "messages": p, "add_generation_prompt": g}
+                | ({"tools": [_PROBE_TOOL]} if tools else {})
+                for p in _PROBES
+                for g in (True, False)
+                for tools in (False, True)
+            ]
+            expected = await asyncio.gather(*(self._engine.render(upstream, b) for b in bodies))
+            found = None
+            for fmt in _CONTENT_FORMATS:
+                try:
+                    if all(self._local.render(b, fmt) == e for b, e in zip(bodies, expected)):
+                        found = fmt
+                        break
+                except Exception:  # noqa: BLE001 - a template that fails here is not used
+                    log.exception("local rendering failed on a probe")
+                    break
+            if found is None:
+                log.warning(
+                    "local rendering differs from %s for %s; rendering there", upstream, model
+                )
+            self._models[key] = found
+            return found
+
+    async def around(self, upstream: str, body: dict, upto: int) -> Around | None:
+        context = context_key(body)
+        try:
+            fmt = await self.self_check(upstream, body.get("model"))
+        except RenderError:
+            fmt = None
+        trusted = self._contexts.get((upstream, context))
+        if fmt is None or trusted is False:
+            return await self._engine_around(upstream, body, upto)
+        try:
+            local = self._local.around(body, upto, fmt)
+        except Exception:  # noqa: BLE001 - e.g. a template error: the engine says what is wrong
+            log.exception("local rendering failed; asking the engine")
+            local = False
+        if local is False:
+            return await self._engine_around(upstream, body, upto)
+        if trusted is None:  # a new context: the engine answers, and says whether to trust us
+            engine = await self._engine_around(upstream, body, upto)
+            self._judge(upstream, context, local, engine)
+            return engine
+        self.stats["local"] += 1
+        if self.stats["local"] % self._sample_every == 0:
+            task = asyncio.create_task(self._sample(upstream, body, upto, context, local))
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
+        return local
+
+    async def _engine_around(self, upstream: str, body: dict, upto: int) -> Around | None:
+        self.stats["engine"] += 1
+        return await self._engine.around(upstream, body, upto)
+
+    async def _sample(self, upstream, body, upto, context, local: Around | None) -> None:
+        try:
+            engine = await self._engine.around(upstream, body, upto)
+        except RenderError:
+            return  # nothing learnt; a later sample checks again
+        self._judge(upstream, context, local, engine)
+
+    def _judge(self, upstream, context, local: Around | None, engine: Around | None) -> None:
+        same = (engine is None and local is None) or (
+            engine is not None and local is not None and engine.same_ids(local)
+        )
+        self.stats["checked"] += 1
+        if not same:
+            self.stats["mismatches"] += 1
+            log.warning("local rendering differs from the engine; not used for this context again")
+        self._contexts[(upstream, context)] = same

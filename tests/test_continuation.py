@@ -1,0 +1,357 @@
+"""Tests of the pure parts of exact continuation: detection of the call a request continues
+(gateway.continuation), the splice, and the local tokenizer (gateway.render)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from gateway import continuation as cont
+from gateway.continuation import RequestKeys, assistant_suffix, counts, splice
+from gateway.render import Around, LocalTemplate, render_body, split_around
+
+TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
+
+texts = st.text(alphabet='ab c\n{}"é', max_size=12)
+args = st.dictionaries(st.sampled_from(["cmd", "path", "n"]), texts | st.integers(0, 9), max_size=3)
+
+
+@st.composite
+def replies(draw):
+    """An assistant message as the gateway returned it (the captured chat-completions form)."""
+    content = draw(st.none() | texts.filter(bool))
+    calls = draw(st.lists(st.tuples(st.sampled_from(["run", "read"]), args), max_size=2))
+    msg = {"role": "assistant", "content": content}
+    if draw(st.booleans()):
+        msg["reasoning_content"] = draw(texts.filter(bool))
+    if calls:
+        msg["tool_calls"] = [
+            {
+                "id": f"call-{draw(st.integers(0, 10**6))}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(a, separators=(",", ":"))},
+            }
+            for name, a in calls
+        ]
+    return msg
+
+
+@st.composite
+def echoes(draw, reply):
+    """`reply` the way a harness sends it back: the same in substance, in another form."""
+    msg: dict = {"role": "assistant"}
+    content = reply["content"]
+    form = draw(st.sampled_from(["as is", "parts", "empty"]))
+    if content is None:
+        msg["content"] = draw(st.sampled_from([None, "", []]))
+    elif form == "parts":
+        msg["content"] = [{"type": "text", "text": content}]
+    else:
+        msg["content"] = content
+    if "reasoning_content" in reply:
+        kept = draw(st.sampled_from(["reasoning", "reasoning_content", None]))
+        if kept:
+            msg[kept] = reply["reasoning_content"]
+    if "tool_calls" in reply:
+        msg["tool_calls"] = []
+        for call in reply["tool_calls"]:
+            a = json.loads(call["function"]["arguments"])
+            spaced = json.dumps(
+                dict(reversed(list(a.items()))), indent=draw(st.sampled_from([None, 2]))
+            )
+            msg["tool_calls"].append(
+                {
+                    "id": draw(st.sampled_from([call["id"], "toolu_other"])),
+                    "type": "function",
+                    "function": {"name": call["function"]["name"], "arguments": spaced},
+                }
+            )
+    if draw(st.booleans()):
+        msg.update(refusal=None, annotations=None)
+    return msg
+
+
+@st.composite
+def followups(draw, reply):
+    """What the harness adds after a reply: tool results for its calls, or a user message."""
+    if reply.get("tool_calls"):
+        return [
+            {"role": "tool", "tool_call_id": c["id"], "content": draw(texts)}
+            for c in reply["tool_calls"]
+        ]
+    text = draw(texts)
+    return [
+        {"role": "user", "content": draw(st.sampled_from([text, [{"type": "text", "text": text}]]))}
+    ]
+
+
+@st.composite
+def conversations(draw, tag="", max_turns=5):
+    """(requests, replies): request i is the conversation so far; reply i is what the gateway
+    returned to it; request i + 1 extends request i with reply i echoed and the harness's turn."""
+    messages = []
+    if draw(st.booleans()):
+        messages.append({"role": "system", "content": "sys" + tag})
+    messages.append({"role": "user", "content": tag + draw(texts)})
+    requests, returned = [], []
+    for _ in range(draw(st.integers(1, max_turns))):
+        requests.append({"model": "m", "tools": TOOLS, "messages": copy.deepcopy(messages)})
+        reply = draw(replies())
+        returned.append(reply)
+        messages += [draw(echoes(reply)), *draw(followups(reply))]
+    requests.append({"model": "m", "tools": TOOLS, "messages": copy.deepcopy(messages)})
+    return requests, returned
+
+
+def stored_keys(requests, returned) -> dict[bytes, int]:
+    """Reply key -> turn index, as the gateway remembers calls."""
+    known = {}
+    for turn, (request, reply) in enumerate(zip(requests, returned)):
+        for key in RequestKeys(request).reply_keys(reply):
+            known[key] = turn
+    return known
+
+
+@settings(max_examples=300, deadline=None)
+@given(conversations())
+def test_each_request_continues_the_previous_call(conv):
+    requests, returned = conv
+    known = stored_keys(requests, returned)
+    for turn in range(1, len(requests)):
+        keys = RequestKeys(requests[turn])
+        i = keys.longest(known)
+        assert i >= 0 and known[keys.keys[i]] == turn - 1
+        # The parent's request and reply cover exactly the messages up to its echoed reply.
+        assert keys.positions[i] == len(requests[turn - 1]["messages"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(conversations(), st.data())
+def test_an_edit_before_a_reply_cuts_the_continuation_there(conv, data):
+    requests, returned = conv
+    known = stored_keys(requests, returned)
+    final = copy.deepcopy(requests[-1])
+    messages = final["messages"]
+    j = data.draw(st.integers(0, len(messages) - 2))
+    message = messages[j]
+    if message.get("tool_calls"):
+        fn = message["tool_calls"][0]["function"]
+        fn["arguments"] = json.dumps({**json.loads(fn["arguments"]), "edited": 1})
+    else:
+        content = message.get("content")
+        message["content"] = (content if isinstance(content, str) else "") + "!edited"
+    keys = RequestKeys(final)
+    i = keys.longest(known)
+    assert i < 0 or keys.positions[i] < j  # only replies before the edit still match
+
+
+@settings(max_examples=200, deadline=None)
+@given(conversations(), st.data())
+def test_changed_reasoning_is_not_the_reply(conv, data):
+    requests, returned = conv
+    with_reasoning = [t for t, r in enumerate(returned[:-1]) if "reasoning_content" in r]
+    assume(with_reasoning)
+    turn = data.draw(st.sampled_from(with_reasoning))
+    known = stored_keys(requests, returned)
+    final = copy.deepcopy(requests[turn + 1])
+    echoed = final["messages"][len(requests[turn]["messages"])]
+    echoed.pop("reasoning_content", None)
+    echoed["reasoning"] = "something else"
+    keys = RequestKeys(final)
+    i = keys.longest(known)
+    assert i < 0 or known[keys.keys[i]] < turn
+
+
+@settings(max_examples=200, deadline=None)
+@given(conversations())
+def test_other_tools_or_model_never_continue(conv):
+    requests, returned = conv
+    assume(len(requests) > 1)
+    known = stored_keys(requests, returned)
+    for change in (
+        {"tools": TOOLS + TOOLS},
+        {"model": "other"},
+        {"chat_template_kwargs": {"x": 1}},
+    ):
+        assert RequestKeys(requests[-1] | change).longest(known) == -1
+
+
+@settings(max_examples=200, deadline=None)
+@given(conversations("A:", 4), conversations("B:", 4), st.randoms(use_true_random=False))
+def test_interleaved_sub_agents_each_continue_their_own_parent(a, b, rnd):
+    # Calls of two conversations arrive interleaved in one rollout and share one index.
+    order = ["a"] * (len(a[0]) - 1) + ["b"] * (len(b[0]) - 1)
+    rnd.shuffle(order)
+    known: dict[bytes, tuple[str, int]] = {}
+    done = {"a": 0, "b": 0}
+    for name in order:
+        requests, returned = a if name == "a" else b
+        turn = done[name]
+        keys = RequestKeys(requests[turn])
+        i = keys.longest(known)
+        if turn == 0:
+            assert i == -1
+        else:
+            assert known[keys.keys[i]] == (name, turn - 1)
+        for key in keys.reply_keys(returned[turn]):
+            known[key] = (name, turn)
+        done[name] += 1
+
+
+def test_first_turns_have_no_keys_and_a_final_assistant_is_no_candidate():
+    assert RequestKeys({"messages": [{"role": "user", "content": "hi"}]}).keys == []
+    prefill = RequestKeys(
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "Sure, "},
+            ]
+        }
+    )
+    assert prefill.keys == [] and prefill.positions == []
+
+
+def test_media_content_is_flagged():
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    keys = RequestKeys({"messages": [{"role": "user", "content": [image]}]})
+    assert keys.media
+    assert not RequestKeys(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}
+    ).media
+
+
+def test_reply_keys_with_and_without_reasoning():
+    request = RequestKeys({"messages": [{"role": "user", "content": "q"}]})
+    assert len(request.reply_keys({"role": "assistant", "content": "a"})) == 1
+    both = request.reply_keys({"role": "assistant", "content": "a", "reasoning_content": "r"})
+    assert (
+        len(both) == 2 and both[1] == request.reply_keys({"role": "assistant", "content": "a"})[0]
+    )
+
+
+# -- splice -----------------------------------------------------------------------------------
+
+ids = st.lists(st.integers(0, 50), max_size=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids, st.lists(st.integers(51, 60), min_size=1, max_size=3), ids, ids, st.booleans())
+def test_splice_extends_the_parent_with_the_turn_end_and_the_tail(
+    parent, suffix, before, tail, ended
+):
+    # The parent stopped on the end-of-turn token, or was cut off (max_tokens) before it.
+    parent_full = np.asarray(parent + suffix[:1] if ended else parent, dtype=np.int32)
+    spliced, reason = splice(parent_full, before + suffix, tail, tuple(suffix))
+    assert reason is None
+    glue = suffix[1:] if ended else suffix
+    assert spliced.tolist() == parent_full.tolist() + glue + tail
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids, st.lists(st.integers(51, 60), min_size=1, max_size=3), ids, ids)
+def test_splice_refuses_a_turn_that_ends_otherwise(parent, suffix, turn_end, tail):
+    assume(turn_end[-len(suffix) :] != suffix)
+    spliced, reason = splice(np.asarray(parent, dtype=np.int32), turn_end, tail, tuple(suffix))
+    assert spliced is None and reason == cont.TURN_END
+    assert splice(np.asarray(parent), turn_end, tail, ()) == (None, cont.TEMPLATE_PROBE)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids, ids, st.lists(st.integers(51, 60), min_size=1, max_size=3))
+def test_assistant_suffix_is_what_an_empty_reply_adds(shared, generation_tail, suffix):
+    # An empty assistant message renders as the opening the generation prompt has, then the end.
+    opening = [61, 62]
+    generation = shared + opening + generation_tail
+    empty_turn = shared + opening + suffix
+    found = assistant_suffix(generation, empty_turn)
+    assert empty_turn[: len(empty_turn) - len(found)] + list(found) == empty_turn
+    if not generation_tail:
+        assert found == tuple(suffix)
+    assert assistant_suffix(shared, shared) == ()
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids, ids, ids)
+def test_split_around(turn, tail, other):
+    around = split_around(turn, turn + tail, "engine")
+    assert around == Around(tuple(turn[-16:]), tail, "engine")
+    assume(other[: len(turn)] != turn)
+    assert split_around(turn, other, "engine") is None
+
+
+def test_counts_by_path_and_reason():
+    records = [
+        {"path": "render", "reason": cont.FIRST_TURN},
+        {"path": "exact", "parent": "p"},
+        {"path": "exact", "parent": "q"},
+        {"path": "fallback", "reason": cont.TURN_END},
+        None,
+    ]
+    assert counts(records) == {
+        "exact": 2,
+        "render": 1,
+        "fallback": 1,
+        "reasons": {"fallback: turn end differs": 1, "render: first turn": 1},
+    }
+
+
+def test_render_body_keeps_what_shapes_the_prompt():
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "q"}],
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "run"}},
+        "temperature": 1.0,
+        "max_tokens": 9,
+        "stream": True,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
+    turn = render_body(body, body["messages"], ending="none")
+    assert turn == {
+        "model": "m",
+        "tools": TOOLS,
+        "messages": body["messages"],
+        "add_generation_prompt": False,
+    }
+    assert render_body(body, [], ending="request")["continue_final_message"] is True
+    assert (
+        render_body(body | {"tool_choice": "none"}, [], ending="generation")["tool_choice"]
+        == "none"
+    )
+
+
+# -- local tokenizer --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_and_hf(tiny_model_dir):
+    from tokenizers import Tokenizer
+
+    return LocalTemplate.from_model_dir(tiny_model_dir), Tokenizer.from_file(
+        str(tiny_model_dir / "tokenizer.json")
+    )
+
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(
+        st.text(max_size=30)
+        | st.sampled_from(SPECIALS)
+        | st.text(alphabet=" \n\t\r", max_size=6)
+        | st.sampled_from(["e\u0301", "\u212b", "'s", "'LL", "123 4"]),
+        max_size=12,
+    )
+)
+def test_local_tokenizer_equals_the_models(local_and_hf, pieces):
+    local, hf = local_and_hf
+    text = "".join(pieces)
+    assert local.encode(text) == hf.encode(text, add_special_tokens=False).ids
