@@ -34,6 +34,7 @@ class GatewayConfig:
     upstream_timeout_s: float = 600.0
     record_bodies: bool = True
     rollout_timeout_s: float | None = None  # default deadline for rollouts that name none
+    default_max_tokens: int | None = None  # output cap for requests that set none
     # exact: a request that continues an earlier call of its rollout gets that call's prompt and
     # sampled ids back as its prompt prefix; render: the engine re-renders every conversation.
     continuation: str = "exact"
@@ -124,6 +125,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not keep compressed request/response bodies (token records are always kept)",
     )
     parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=int(_env("DEFAULT_MAX_TOKENS", "0")) or None,
+        metavar="N",
+        help="output cap for requests that set none (Codex sends none); default: the engine's "
+        "context limit (env ROLLTAP_DEFAULT_MAX_TOKENS)",
+    )
+    parser.add_argument(
         "--rollout-timeout",
         type=float,
         default=float(_env("ROLLOUT_TIMEOUT", "0")) or None,
@@ -182,6 +191,7 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         upstream_timeout_s=args.upstream_timeout,
         record_bodies=not args.no_record_bodies,
         rollout_timeout_s=args.rollout_timeout,
+        default_max_tokens=args.default_max_tokens,
         continuation=args.continuation,
         local_template=args.local_template,
         merge_options=MergeOptions(

@@ -22,7 +22,7 @@ from gateway.protocols.normalize import normalize_messages
 from gateway.services import Services
 from gateway.store import calls as calls_store
 from gateway.store.tokens import IDS, LOGPROBS
-from gateway.upstream import sse_data
+from gateway.upstream import sse_batches
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +209,11 @@ async def relay(
         call.state = lambda resp_body: proto.stored_state(req, ctx, resp_body)
     call.offered_tools = bool(body.get("tools"))
     call.requested, call.applied = pin_sampling(body, svc.config.temperature, proto.UPSTREAM_PATH)
+    cap = svc.config.default_max_tokens
+    if cap and not body.get("max_tokens") and not body.get("max_completion_tokens"):
+        # Some harnesses (Codex) set no output cap; a random policy then writes until the
+        # context is full.
+        body["max_tokens"] = call.applied["max_tokens"] = cap
     body["model"] = ctx.model
     call.upstream = svc.upstreams.pick(rollout_id)
     if proto.UPSTREAM_PATH == "/v1/chat/completions":  # legacy completions has no messages
@@ -259,24 +264,31 @@ async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamRespons
     cap = call.capture
     failure: GatewayError | None = None
     try:
-        async for data in sse_data(resp):
-            if data == b"[DONE]":
+        done = False
+        async for batch in sse_batches(resp):
+            pieces = []
+            for data in batch:
+                if data == b"[DONE]":
+                    done = True
+                    break
+                chunk = _decode(data)
+                if "error" in chunk and not chunk.get("choices"):
+                    e = chunk["error"]
+                    failure = upstream_error(e.get("code") or 500, _encode(chunk))
+                    break
+                cap.add_chunk(chunk, svc.policy_version)
+                if call.ttft_ms is None and len(cap.completion_ids):
+                    call.ttft_ms = (time.perf_counter() - call.started) * 1000
+                try:
+                    pieces.append(stream.feed(chunk))
+                except GatewayError as err:  # the protocol cannot express what the engine sent
+                    failure = err
+                    break
+            joined = b"".join(pieces)
+            if joined:  # an empty write could read as the end of a chunked body
+                await out.write(joined)
+            if done or failure is not None:
                 break
-            chunk = _decode(data)
-            if "error" in chunk and not chunk.get("choices"):
-                e = chunk["error"]
-                failure = upstream_error(e.get("code") or 500, _encode(chunk))
-                break
-            cap.add_chunk(chunk, svc.policy_version)
-            if call.ttft_ms is None and len(cap.completion_ids):
-                call.ttft_ms = (time.perf_counter() - call.started) * 1000
-            try:
-                piece = stream.feed(chunk)
-            except GatewayError as err:  # the protocol cannot express what the engine sent
-                failure = err
-                break
-            if piece:
-                await out.write(piece)
     except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
         # The client went away: closing the upstream response aborts the engine's request.
         resp.close()

@@ -78,8 +78,15 @@ class Upstreams:
         return names
 
 
-async def sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The `data:` payloads of a server-sent-event stream, as raw bytes."""
-    async for line in resp.content:
-        if line.startswith(b"data:"):
-            yield line[5:].strip()
+async def sse_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+    """The `data:` payloads of a server-sent-event stream, grouped by what arrived together,
+    so the relay answers each network read with one write instead of one per event."""
+    pending = b""
+    async for block in resp.content.iter_any():
+        lines = (pending + block).split(b"\n")
+        pending = lines.pop()  # an incomplete last line waits for the next read
+        batch = [line[5:].strip() for line in lines if line.startswith(b"data:")]
+        if batch:
+            yield batch
+    if pending.startswith(b"data:"):
+        yield [pending[5:].strip()]

@@ -179,3 +179,25 @@ def test_legacy_completions_record_engine_tokens(gateway, vllm_server, tokenizer
     assert call["prompt_ids"] == tokenizer("def add(a, b):")["input_ids"]
     assert engine_text(tokenizer, call) == resp.choices[0].text
     assert len(call["logprobs"]) == len(call["completion_ids"])
+
+
+def test_default_output_cap_applies_only_when_the_harness_sets_none(
+    vllm_server, database_url, tmp_path
+):
+    from tests.support.gateway import GatewayProcess
+
+    gw = GatewayProcess([vllm_server.url], database_url, "--default-max-tokens", "5",
+                        log_path=tmp_path / "gw.log").start()
+    try:
+        rollout = gw.new_rollout()
+        client = client_for(gw, rollout)
+        messages = [{"role": "user", "content": "Go on forever."}]
+        client.chat.completions.create(model=vllm_server.model, messages=messages,
+                                       extra_body={"min_tokens": 5})
+        client.chat.completions.create(model=vllm_server.model, messages=messages, max_tokens=9,
+                                       extra_body={"min_tokens": 9})
+        capped, own = gw.calls(rollout["rollout_id"])
+        assert len(capped["completion_ids"]) == 5 and capped["applied"]["max_tokens"] == 5
+        assert len(own["completion_ids"]) == 9 and "max_tokens" not in own["applied"]
+    finally:
+        gw.stop()
