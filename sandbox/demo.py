@@ -1,10 +1,16 @@
-"""`rolltap demo`: the whole stack on this machine, from nothing, on the CPU.
+"""`rolltap demo`: the whole loop on this machine, from nothing, on the CPU.
 
-Builds the tiny model offline, starts vLLM (CPU build), the gateway with its embedded Postgres,
-then plays a multi-turn, tool-using conversation through the gateway with the official `openai`
-SDK as one rollout, finishes it with a reward, and shows what was recorded: the engine's token
-ids, logprobs and policy versions of every call, and how the calls merged into training
-sequences. Every part is a separate process driven over HTTP, exactly as in a deployment.
+Builds the tiny model offline, starts vLLM (CPU build) and the gateway with its embedded
+Postgres, then:
+- plays a multi-turn, tool-using conversation through the gateway with the official `openai`
+  SDK as one rollout and shows what was recorded (the engine's token ids, logprobs and policy
+  versions of every call) and how the calls merged into one training sequence;
+- runs the sandbox runner with the scripted `python` harness over an example coding task, the
+  hidden tests giving the rewards;
+- trains: `rolltap bridge` (TRL's AsyncGRPO on the CPU) learns a toy task from rollouts played
+  through the gateway, pushing every new policy back to vLLM and its version to the gateway,
+  and the reward per step climbs.
+Every part is a separate process driven over HTTP, exactly as in a deployment.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+EXAMPLE_TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks" / "tasks.jsonl"
 
 DEMO_TOOL = {
     "type": "function",
@@ -49,6 +57,8 @@ def register(subparsers) -> None:
                         help="working directory for the model, logs and database "
                         "(default: %(default)s)")
     parser.add_argument("--turns", type=int, default=3, help="tool-using turns (default 3)")
+    parser.add_argument("--train-steps", type=int, default=24,
+                        help="optimizer steps of the training stage (default 24; 0 skips it)")
     parser.set_defaults(func=run)
 
 
@@ -165,22 +175,27 @@ def run(args: argparse.Namespace) -> int:
     procs = _Processes()
     admin_key = secrets.token_urlsafe(16)
     try:
-        model_dir = workdir / "model"
-        _step(f"1/5 tiny model (offline) in {model_dir}")
+        tied_dir, model_dir = workdir / "tiny", workdir / "tiny-untied"
+        _step(f"1/7 tiny model (offline) in {model_dir}")
         if not (model_dir / "model.safetensors").exists():
-            subprocess.run([*rolltap, "tiny-model", str(model_dir)], check=True)
+            from trainer_bridge.weights import untie_embeddings
+
+            subprocess.run([*rolltap, "tiny-model", str(tied_dir)], check=True)
+            # vLLM's CPU build does not refresh a tied LM head on an in-place weight reload, so
+            # the demo serves and trains a copy whose head is a weight of its own.
+            untie_embeddings(tied_dir, model_dir)
         else:
             print("   already built")
 
         vllm_port, gw_port = _free_port(), _free_port()
         upstream = f"http://127.0.0.1:{vllm_port}"
-        _step(f"2/5 vLLM (CPU build) on {upstream}; log {workdir / 'vllm.log'}")
+        _step(f"2/7 vLLM (CPU build) on {upstream}; log {workdir / 'vllm.log'}")
         vllm = procs.start([*rolltap, "serve-model", str(model_dir), "--port", str(vllm_port),
                             "--served-model-name", "tiny"], workdir / "vllm.log")
         _wait_http(upstream + "/health", vllm, workdir / "vllm.log", "vLLM", 600)
 
         gateway = f"http://127.0.0.1:{gw_port}"
-        _step(f"3/5 gateway on {gateway}, embedded Postgres in {workdir / 'data'}")
+        _step(f"3/7 gateway on {gateway}, embedded Postgres in {workdir / 'data'}")
         gw = procs.start([*rolltap, "gateway", "--upstream", upstream, "--port", str(gw_port),
                           "--data-dir", str(workdir / "data")],
                          workdir / "gateway.log", env={"ROLLTAP_ADMIN_KEY": admin_key})
@@ -188,26 +203,101 @@ def run(args: argparse.Namespace) -> int:
         admin = httpx.Client(base_url=gateway, timeout=60,
                              headers={"Authorization": f"Bearer {admin_key}"})
 
-        _step("4/5 a tool-using conversation through the gateway, as one rollout")
+        _step("4/7 a tool-using conversation through the gateway, as one rollout")
         rollout = admin.post("/admin/rollouts", json={"task_id": "demo-fix-calc"}).json()
         print(f"   rollout {rollout['rollout_id']}, key {rollout['api_key'][:10]}…")
         _conversation(rollout["openai_base_url"], rollout["api_key"], "tiny", args.turns)
         finished = admin.post(f"/admin/rollouts/{rollout['rollout_id']}/finish",
                               json={"reward": 1.0}).json()
 
-        _step("5/5 what Postgres holds")
+        _step("5/7 what Postgres holds")
         _show_calls(admin, upstream, rollout["rollout_id"])
         stats = finished["merge"]["stats"]
         print(f"   merged into {stats['sequences']} training sequence(s): "
               f"{stats['trained_tokens']} trained tokens of {stats['sampled_tokens']} sampled, "
               f"{stats['lost_tokens']} lost; forks by cause {stats['causes']}")
-        print(f"   inspect: curl -H 'Authorization: Bearer {admin_key}' "
+        print(f"   inspect: curl -H 'Authorization: Bearer $ROLLTAP_ADMIN_KEY' "
               f"{gateway}/admin/rollouts/{rollout['rollout_id']}/traces")
+
+        _step("6/7 sandboxes: the scripted python harness on an example task, hidden tests score")
+        subprocess.run(
+            [*rolltap, "rollouts", str(EXAMPLE_TASKS), "--harness", "python",
+             "--agent", "sandbox.agents.scripted:run", "--task", "fizzbuzz", "--group-size", "2",
+             "--concurrency", "2", "--gateway", gateway, "--model", "tiny"],
+            check=False, env={**os.environ, "ROLLTAP_ADMIN_KEY": admin_key},
+        )
+        print("   (the random tiny model writes no working code: rewards are 0, as expected)")
+
+        if args.train_steps > 0:
+            _step(f"7/7 training: {args.train_steps} GRPO steps on the toy task, weights back "
+                  "to vLLM after each")
+            _train(args.train_steps, workdir, rolltap, procs, model_dir, upstream, gateway,
+                   admin, admin_key)
     finally:
         procs.stop_all()
         _stop_embedded_postgres(workdir / "data" / "pgdata")
     print("\ndemo finished")
     return 0
+
+
+def _train(steps: int, workdir: Path, rolltap: list[str], procs: _Processes, model_dir: Path,
+           upstream: str, gateway: str, admin, admin_key: str) -> None:
+    """The bridge trains on toy-task rollouts that an agent plays through the gateway meanwhile;
+    the demo prints the reward of each step as the bridge logs it."""
+    import threading
+
+    from trainer_bridge.toy_task import ToyTask, run_toy_rollouts
+
+    run_id = secrets.token_hex(4)
+    out_dir = workdir / f"train-{run_id}"
+    start_version = admin.get("/admin/policy").json()["version"]
+    bridge = procs.start(
+        [*rolltap, "bridge", "--model", str(model_dir), "--vllm", upstream, "--gateway", gateway,
+         "--data-dir", str(workdir / "data"), "--num-generations", "8",
+         "--max-steps", str(steps), "--weight-sync", "disk",
+         "--checkpoint-dir", str(out_dir / "checkpoints"), "--output-dir", str(out_dir),
+         "--match", f"run={run_id}", "--learning-rate", "2e-2", "--set", "epsilon_high=1.0",
+         "--token-budget", "420", "--queue-size", "24", "--threads", "1"],
+        workdir / "bridge.log", env={"ROLLTAP_ADMIN_KEY": admin_key},
+    )
+    print(f"   bridge log {workdir / 'bridge.log'}; waiting for its first weight push …",
+          flush=True)
+    while admin.get("/admin/policy").json()["version"] == start_version:
+        if bridge.poll() is not None:
+            raise SystemExit(f"the bridge exited early; see {workdir / 'bridge.log'}")
+        time.sleep(1)
+    stop = threading.Event()
+    task = ToyTask(gateway, admin_key, "tiny", model_dir, metadata={"run": run_id})
+    results: list = []
+    player = threading.Thread(
+        target=lambda: results.extend(run_toy_rollouts(task, group_size=8, stop=stop)),
+        daemon=True)
+    player.start()
+    progress, shown = out_dir / "progress.jsonl", 0
+    print(f"   {'step':>4} {'reward':>7} {'policy version':>15}")
+    while bridge.poll() is None or shown < steps:
+        lines = progress.read_text().splitlines() if progress.exists() else []
+        for line in lines[shown:]:
+            entry = json.loads(line)
+            print(f"   {entry['step']:>4} {entry['reward'] or 0:7.3f} {entry['version']!s:>15}",
+                  flush=True)
+        shown = len(lines)
+        if bridge.poll() is not None:
+            break
+        time.sleep(1)
+    stop.set()
+    player.join(600)
+    if bridge.returncode:
+        raise SystemExit(f"the bridge failed; see {workdir / 'bridge.log'}")
+    first, last = results[0], results[-1]
+    for label, res in (("first", first), ("last", last)):
+        calls = admin.get(f"/admin/rollouts/{res.rollout_id}/calls?bodies=0").json()["calls"]
+        versions = sorted({v for c in calls for v in c["versions"]})
+        print(f"   {label} toy rollout: reward {res.reward:.2f}, its tokens were sampled under "
+              f"policy version(s) {versions}")
+    summary = json.loads((out_dir / "summary.json").read_text())
+    print(f"   reward over the first steps {summary['reward_first_steps'] or 0:.3f} -> last "
+          f"steps {summary['reward_last_steps'] or 0:.3f}; versions {summary['versions']}")
 
 
 def _stop_embedded_postgres(pgdata: Path) -> None:

@@ -48,6 +48,7 @@ def sandbox_parent(root: str | None) -> str:
     by every sandbox of this user on the machine (every run, every Ray worker), so that hiding
     it from an agent hides all of its siblings."""
     if root is not None:
+        os.makedirs(root, mode=0o700, exist_ok=True)
         return root
     parent = os.path.join(tempfile.gettempdir(), f"rolltap-sandboxes-{os.geteuid()}")
     os.makedirs(parent, mode=0o700, exist_ok=True)

@@ -16,20 +16,28 @@ def test_streamed_response_straddling_a_sync_has_per_token_versions(gateway, vll
     rollout = gateway.new_rollout()
     client = openai.OpenAI(base_url=rollout["openai_base_url"], api_key=rollout["api_key"],
                            max_retries=0, timeout=300)
-    got_some = threading.Event()
+    got_some, resumed = threading.Event(), threading.Event()
     received: list[str] = []
+    after_resume: list[str] = []
 
     def consume() -> None:
-        # min_tokens keeps the engine generating long past the pause (no early end-of-turn).
+        # A reply far longer than the test (min_tokens: no early end of turn), read until some
+        # tokens have come after the sync; leaving then records the call as aborted, versions
+        # and all, without waiting for the rest.
         stream = client.chat.completions.create(
-            model=vllm_server.model, stream=True, max_tokens=2500,
-            extra_body={"min_tokens": 2500},
+            model=vllm_server.model, stream=True, max_tokens=20000,
+            extra_body={"min_tokens": 20000},
             messages=[{"role": "user", "content": "Tell me everything."}])
         for chunk in stream:
-            if chunk.choices:
-                received.append(chunk.choices[0].delta.content or "")
-                if len(received) >= 5:
-                    got_some.set()
+            if not chunk.choices:
+                continue
+            (after_resume if resumed.is_set() else received).append(
+                chunk.choices[0].delta.content or "")
+            if len(received) >= 5:
+                got_some.set()
+            if len(after_resume) >= 20:
+                break
+        stream.close()
 
     reader = threading.Thread(target=consume)
     reader.start()
@@ -39,19 +47,22 @@ def test_streamed_response_straddling_a_sync_has_per_token_versions(gateway, vll
         assert r.status_code == 200, r.text
         # Let chunks already in flight arrive under the old version before it changes.
         time.sleep(1.0)
-        n_before = len(received)
         assert gateway.admin.post("/admin/policy", json={"version": 2}).status_code == 200
+        resumed.set()
     finally:
         httpx.post(vllm_server.url + "/resume", timeout=60)
     reader.join(300)
-    assert len(received) > n_before, "generation resumed after the sync"
+    assert len(after_resume) >= 20, "generation went on after the sync"
 
-    [call] = gateway.calls(rollout["rollout_id"])
+    deadline = time.monotonic() + 30
+    while not (calls := gateway.calls(rollout["rollout_id"])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    [call] = calls
+    assert call["status"] == "aborted"
     versions = call["versions"]
     assert len(versions) == len(call["completion_ids"])
     assert set(versions) == {1, 2}
     split = versions.index(2)
-    assert 0 < split < len(versions)
     assert versions == [1] * split + [2] * (len(versions) - split)
 
 

@@ -663,7 +663,7 @@ RESPONSES_BAD = [
      "input[1].call_id"),
     ("tool-schema-not-object", {"input": "Hi.", "tools": [
         {"type": "function", "name": "f", "parameters": {"type": "string"}}]},
-     "tools[0].parameters"),
+     "tools[0].parameters.type"),
     ("unknown-tool-type", {"input": "Hi.", "tools": [{"type": "banana", "name": "f"}]},
      "tools[0].type"),
     ("forced-unknown-function", {"input": "Hi.", "tools": [RESPONSES_TOOL],

@@ -1,5 +1,4 @@
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -8,6 +7,7 @@ from hypothesis import strategies as st
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 from trl.experimental.async_grpo.packing import TreeRow
 
+from tests.support.sequences import Seq
 from trainer_bridge.samples import (
     ROLLOUT_TOKENS_METRIC,
     Skip,
@@ -15,17 +15,6 @@ from trainer_bridge.samples import (
     skip_reason,
     to_rollout_sample,
 )
-
-
-@dataclass
-class Seq:
-    """A merged sequence as the gateway stores it (the fields samples.py reads)."""
-
-    input_ids: np.ndarray
-    loss_mask: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    call_ids: np.ndarray
 
 
 @st.composite

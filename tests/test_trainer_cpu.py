@@ -9,7 +9,6 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import huggingface_hub.constants
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout
 from trl.experimental.async_grpo.packing import TreeRow
 
+from tests.support.sequences import Seq
 from trainer_bridge.advantages import group_advantages
 from trainer_bridge.samples import ROLLOUT_TOKENS_METRIC, rollout_samples
 from trainer_bridge.tiny_model import VOCAB_SIZE, write_tiny_model
@@ -37,15 +37,6 @@ def tiny_model(tmp_path_factory):
 def no_telemetry(monkeypatch):
     # TRL pings the Hub when a trainer is built; this machine only reaches 127.0.0.1.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", True)
-
-
-@dataclass
-class Seq:
-    input_ids: np.ndarray
-    loss_mask: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    call_ids: np.ndarray
 
 
 def synthetic_sequence(rng, prompt, turns, version):

@@ -97,7 +97,7 @@ def make_trainer(
     model_path: str | os.PathLike,
     *,
     rollout_worker: RolloutWorkerProtocol,
-    weight_transfer: WeightTransferProtocol,
+    weight_transfer: WeightTransferProtocol | None,
     output_dir: str | os.PathLike,
     max_steps: int,
     token_budget: int,
@@ -113,7 +113,8 @@ def make_trainer(
     be set, since TRL would otherwise ask a vLLM server for its context length. Without CUDA the
     flash-attention kernel is replaced by `cpu_attention` and training runs in float32 without
     gradient checkpointing (recomputing saves memory a CPU run does not lack). `config` overrides
-    any `AsyncGRPOConfig` field.
+    any `AsyncGRPOConfig` field. `weight_transfer=None` lets TRL build its NCCL transfer to the
+    vLLM at `vllm_server_base_url` (a GPU setup).
     """
     if max_steps <= 0:
         # The rollout stream has no length, so the run needs an explicit number of steps.

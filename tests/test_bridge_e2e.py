@@ -1,0 +1,265 @@
+"""The whole loop on the CPU: the real gateway in front of two real vLLM replicas serving the
+tiny model, an agent (the openai SDK) playing the toy task through the gateway, and
+`rolltap bridge` training on what the gateway recorded and pushing every new policy back to
+both replicas (disk sync) and its version to the gateway.
+
+The replicas serve an untied copy of the tiny model: vLLM's CPU build does not refresh a tied
+LM head when it reloads weights in place (test_bridge_weights.py checks the bridge refuses
+one). They are this module's own, so the session's vLLM keeps its weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import asyncpg
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from gateway.store.tokens import ids_from_bytes
+from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
+from tests.support.vllm import TINY_MODEL_NAME
+from trainer_bridge.serve_model import start_vllm
+from trainer_bridge.toy_task import ToyTask, run_toy_rollouts
+from trainer_bridge.weights import (
+    DiskWeightSync,
+    PolicyAnnouncer,
+    VersionedTransfer,
+    untie_embeddings,
+)
+
+MAX_STEPS = 30
+# The toy prompt (system, tool schema, question) is about 270 tokens and shared by every
+# sample, which adds only its 8 sampled tokens: a step holds about two groups of 8.
+TOKEN_BUDGET = 420
+PROBE = [2040, 687, 198, 71, 72, 2041, 198, 2040, 592, 198]  # a short chat prompt, as ids
+
+
+@pytest.fixture(scope="module")
+def untied_model(tiny_model_dir, tmp_path_factory):
+    return untie_embeddings(tiny_model_dir, tmp_path_factory.mktemp("untied") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def replicas(untied_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("replicas")
+    started = [
+        start_vllm(untied_model, free_port(), served_model_name=TINY_MODEL_NAME,
+                   max_model_len=4096, kv_cache_gib=1, log_path=logs / f"vllm-{i}.log")
+        for i in range(2)
+    ]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda v: v.wait_ready(300), started))
+        yield [v.url for v in started]
+    finally:
+        for v in started:
+            v.stop()
+
+
+@pytest.fixture(scope="module")
+def training_gateway(replicas, database_url, tmp_path_factory):
+    gw = GatewayProcess(replicas, database_url,
+                        log_path=tmp_path_factory.mktemp("training-gw") / "gateway.log").start()
+    yield gw
+    gw.stop()
+
+
+def _complete(url: str, **body) -> dict:
+    body = {"model": TINY_MODEL_NAME, "prompt": PROBE, "max_tokens": 12,
+            "return_token_ids": True, **body}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    response.raise_for_status()
+    return response.json()["choices"][0]
+
+
+def _greedy(url: str) -> list[int]:
+    return _complete(url, temperature=0)["token_ids"]
+
+
+def _hf_logprobs(model, prompt: list[int], ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0]
+    logprobs = torch.log_softmax(logits, -1)
+    return np.array([logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(ids)])
+
+
+class PauseCheckingAnnouncer(PolicyAnnouncer):
+    """The real announcer, noting whether every replica was paused when it announced."""
+
+    replicas: list[str] = []
+    paused_at_announce: list[bool] = []
+
+    def announce(self, trainer_version: int) -> int:
+        self.paused_at_announce.append(all(
+            httpx.get(f"{url}/is_paused", timeout=30).json()["is_paused"]
+            for url in self.replicas))
+        return super().announce(trainer_version)
+
+
+def _push(transfer: VersionedTransfer, model) -> None:
+    """One push, as AsyncGRPOTrainer makes it: its own parameter names and call order."""
+    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
+
+    transfer.pause()
+    transfer.send_weights((name, p.detach()) for name, p in _iter_vllm_named_params(model))
+    transfer.resume()
+
+
+def test_a_push_reaches_every_replica_exactly(untied_model, replicas, training_gateway,
+                                              tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(untied_model, dtype=torch.float32)
+    policy = AutoModelForCausalLM.from_pretrained(untied_model, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    before = [_greedy(url) for url in replicas]
+    assert before[0] == before[1]
+
+    announcer = PauseCheckingAnnouncer.from_gateways([training_gateway.url], ADMIN_KEY)
+    announcer.replicas, announcer.paused_at_announce = replicas, []
+    disk = DiskWeightSync(untied_model, tmp_path / "weights", replicas)
+    transfer = VersionedTransfer(disk, announcer)
+    transfer.init_weight_transfer()
+    _push(transfer, policy)
+
+    # Every replica now samples from exactly the trainer's weights (head included).
+    for url in replicas:
+        choice = _complete(url, temperature=1.0, logprobs=0, seed=3)
+        got = np.array(choice["logprobs"]["token_logprobs"])
+        expected = _hf_logprobs(policy, PROBE, choice["token_ids"])
+        np.testing.assert_allclose(got, expected, atol=2e-3)
+        assert not np.allclose(got, _hf_logprobs(original, PROBE, choice["token_ids"]),
+                               atol=2e-3)
+    after = [_greedy(url) for url in replicas]
+    assert after[0] == after[1] != before[0]
+    version = httpx.get(f"{training_gateway.url}/admin/policy", timeout=30,
+                        headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["version"]
+    assert version == announcer.offset + 1
+    assert all(not httpx.get(f"{u}/is_paused", timeout=30).json()["is_paused"] for u in replicas)
+
+    _push(transfer, original)  # the training test starts from the original weights
+    transfer.destroy()
+    assert [_greedy(url) for url in replicas] == before
+    assert announcer.announced == [announcer.offset + 1, announcer.offset + 2]
+    assert announcer.paused_at_announce == [True, True]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == [
+        "policy-000001", "policy-000002"]
+    assert disk.latest == tmp_path / "weights" / "policy-000002"
+
+
+async def _recorded(database_url: str, run: str) -> list[tuple[str, float, int]]:
+    """(group, reward, oldest version of its sampled tokens) of every rollout of the run, in
+    creation order."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetch(
+            "SELECT r.group_id, r.reward, c.versions FROM rollouts r"
+            " JOIN calls c ON c.rollout_id = r.id"
+            " WHERE r.metadata @> jsonb_build_object('run', $1::text) AND r.status = 'finished'"
+            " ORDER BY r.created_at", run)
+    finally:
+        await conn.close()
+    return [(r["group_id"], r["reward"], int(ids_from_bytes(r["versions"]).min())) for r in rows]
+
+
+def _mean(values) -> float:
+    return float(np.mean(list(values)))
+
+
+def test_toy_task_training_raises_the_reward(untied_model, replicas, training_gateway,
+                                             database_url, tmp_path):
+    run = uuid.uuid4().hex[:12]
+    admin = httpx.Client(base_url=training_gateway.url, timeout=60,
+                         headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    base = admin.get("/admin/policy").json()["version"]
+    before = _greedy(replicas[0])
+    out = tmp_path / "bridge"
+    log_path = tmp_path / "bridge.log"
+    command = [
+        sys.executable, "-m", "trainer_bridge.cli", "bridge",
+        "--model", str(untied_model), "--gateway", training_gateway.url,
+        "--vllm", replicas[0], "--vllm", replicas[1],
+        "--admin-key", ADMIN_KEY, "--database-url", database_url,
+        "--num-generations", "8", "--max-steps", str(MAX_STEPS),
+        # A high rate and DAPO's wider upper clip: sampling runs about one version behind the
+        # trainer, and with the usual 0.2 the tokens it already made likelier stop counting.
+        "--learning-rate", "2e-2", "--set", "epsilon_high=1.0",
+        "--token-budget", str(TOKEN_BUDGET), "--queue-size", "24", "--threads", "1",
+        "--match", f"run={run}", "--output-dir", str(out),
+    ]
+    started = time.monotonic()
+    with log_path.open("w") as log:
+        bridge = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    task = ToyTask(training_gateway.url, ADMIN_KEY, TINY_MODEL_NAME, untied_model,
+                   metadata={"run": run})
+    stop = threading.Event()
+    driver = threading.Thread(target=run_toy_rollouts, args=(task,),
+                              kwargs={"group_size": 8, "stop": stop}, daemon=True)
+    try:
+        # Rollouts start once the trainer pushed its initial weights (version base + 1).
+        while admin.get("/admin/policy").json()["version"] <= base:
+            assert bridge.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() - started < 240, "the bridge never pushed its weights"
+            time.sleep(0.5)
+        ready_s = time.monotonic() - started
+        driver.start()
+        try:
+            code = bridge.wait(timeout=360)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the bridge did not finish:\n{log_path.read_text()[-4000:]}")
+    finally:
+        stop.set()
+        if bridge.poll() is None:
+            bridge.kill()
+        driver.join(timeout=120)
+        task.close()
+    elapsed = time.monotonic() - started
+    assert code == 0, log_path.read_text()[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == MAX_STEPS
+    assert summary["versions"] == [base + 1, base + 1 + MAX_STEPS]
+    assert summary["source"].get("too_long", 0) == 0
+
+    # Versions advance in the gateway's records: every group sampled at one policy or a newer
+    # one than the group before it, across many pushes.
+    recorded = asyncio.run(_recorded(database_url, run))
+    group_versions = {}
+    for group, _, version in recorded:
+        group_versions[group] = min(version, group_versions.get(group, version))
+    versions = list(group_versions.values())
+    assert versions == sorted(versions)
+    assert versions[0] == base + 1 and versions[-1] >= base + MAX_STEPS - 2
+    assert len(set(versions)) >= MAX_STEPS // 2
+
+    # The policy learned the task: rollouts of the last policies score far above the first.
+    by_version = {}
+    for _, reward, version in recorded:
+        by_version.setdefault(version - base, []).append(reward)
+    first = _mean(r for v in sorted(by_version)[:5] for r in by_version[v])
+    last = _mean(r for v in sorted(by_version)[-5:] for r in by_version[v])
+    steps = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
+    trained = [s["reward"] for s in steps]
+    curve = " ".join(f"{v}:{_mean(by_version[v]):.2f}" for v in sorted(by_version))
+    print(f"\nbridge ready after {ready_s:.0f} s, {MAX_STEPS} steps, {elapsed:.0f} s in all; "
+          f"{len(recorded)} rollouts\nreward by policy version (rollouts sampled by it): {curve}"
+          f"\nreward per step (samples trained): {' '.join(f'{r:.2f}' for r in trained)}"
+          f"\nfirst five versions {first:.3f}, last five {last:.3f}")
+    assert last > first + 0.4
+    assert _mean(trained[-5:]) > _mean(trained[:5]) + 0.3
+
+    # The replicas serve the trained policy, both the same one.
+    after = [_greedy(url) for url in replicas]
+    assert after[0] == after[1] != before

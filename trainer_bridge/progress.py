@@ -1,0 +1,103 @@
+"""The bridge's progress display: one line per optimizer step, a JSON line per step for tools
+(the demo, the tests), and the final summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+# Steps averaged at each end of the run for the summary's "first" and "last" reward.
+_ENDS = 5
+
+
+def _number(value) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+class Progress(TrainerCallback):
+    """Prints step, reward, loss, queue and policy version as TRL logs each step, and appends
+    the step's whole log (TRL's metrics and the rollout source's) to `jsonl_path`."""
+
+    def __init__(self, source, transfer, jsonl_path: Path) -> None:
+        self.source = source
+        self.transfer = transfer  # a VersionedTransfer: its announcer knows the versions
+        self.jsonl_path = Path(jsonl_path)
+        self.jsonl_path.write_text("")
+        self.rewards: list[tuple[int, float]] = []
+        self._started = time.monotonic()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "loss" not in logs:  # the end-of-training summary log, not a step
+            return
+        reward = _number(logs.get("reward"))
+        if reward is not None:
+            self.rewards.append((state.global_step, reward))
+        announced = self.transfer.announcer.announced
+        entry = {
+            "step": state.global_step,
+            "reward": reward,
+            "loss": _number(logs.get("loss")),
+            "queue": self.source.rollout_buffer.qsize(),
+            "version": announced[-1] if announced else None,
+            "elapsed_s": round(time.monotonic() - self._started, 3),
+            "metrics": {k: _number(v) for k, v in logs.items() if isinstance(v, int | float)},
+        }
+        with self.jsonl_path.open("a") as out:
+            out.write(json.dumps(entry) + "\n")
+        print(
+            f"step {state.global_step:>4}/{state.max_steps}"
+            f"  reward {_fmt(reward)}  loss {_fmt(entry['loss'], '+.4f')}"
+            f"  queue {entry['queue']:>3}  version {entry['version']}"
+            f"  rollouts {self.source.stats['rollouts']}"
+            f"  stale dropped {int(logs.get('sample/dropped_stale_total') or 0)}"
+            f"  {entry['elapsed_s']:.0f} s",
+            flush=True,
+        )
+
+    def summary(self, *, elapsed_s: float, steps: int, checkpoint: Path | None) -> dict:
+        rewards = [r for _, r in self.rewards]
+        announced = self.transfer.announcer.announced
+        return {
+            "steps": steps,
+            "elapsed_s": round(elapsed_s, 1),
+            "reward_per_step": dict(self.rewards),
+            "reward_first_steps": _mean(rewards[:_ENDS]),
+            "reward_last_steps": _mean(rewards[-_ENDS:]),
+            "versions": [announced[0], announced[-1]] if announced else [],
+            "gateways": self.transfer.announcer.gateways,
+            "source": dict(self.source.stats),
+            "checkpoint": str(checkpoint) if checkpoint else None,
+        }
+
+    @staticmethod
+    def format_summary(summary: dict) -> str:
+        stats = summary["source"]
+        versions = summary["versions"]
+        lines = [
+            f"rolltap bridge: {summary['steps']} steps in {summary['elapsed_s']:.0f} s",
+            f"  trained {stats.get('rollouts', 0)} rollouts in {stats.get('groups', 0)} groups "
+            f"({stats.get('partial_groups', 0)} partial), {stats.get('samples', 0)} samples; "
+            f"dropped {stats.get('dropped_rollouts', 0)} rollouts in "
+            f"{stats.get('dropped_groups', 0)} groups, {stats.get('stale', 0)} stale samples, "
+            f"{stats.get('too_long', 0)} sequences over the token budget",
+            f"  reward: first {_ENDS} steps {_fmt(summary['reward_first_steps'])}, "
+            f"last {_ENDS} steps {_fmt(summary['reward_last_steps'])}",
+            f"  policy versions {versions[0]}..{versions[-1]} announced to "
+            f"{len(summary['gateways'])} gateway(s)" if versions else "  no version announced",
+        ]
+        if summary["checkpoint"]:
+            lines.append(f"  trained model: {summary['checkpoint']}")
+        return "\n".join(lines)
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "  -  " if value is None else format(value, spec)

@@ -1,0 +1,357 @@
+"""New weights back to the engines, and the new policy version to the gateways.
+
+Both halves plug into TRL's `weight_transfer` seam (`init_weight_transfer`, `pause`,
+`send_weights`, `resume`, `destroy`; TRL calls `pause`, `send_weights`, `resume` once per push,
+the first time before training starts):
+
+- `DiskWeightSync` writes the weights as a safetensors checkpoint directory that every vLLM
+  replica can read, then pauses each replica (`/pause?mode=keep`: requests freeze, they are not
+  aborted), reloads it in place (`/collective_rpc` `reload_weights`), drops its prefix cache
+  (computed by the old weights) and resumes it. It works on the CPU build and with any number of
+  replicas. On GPUs, TRL's own NCCL transfer (`WeightTransferClient`) streams into one vLLM.
+- `VersionedTransfer` wraps either and tells every gateway the new version while the engines are
+  still paused, so no token sampled by the new weights is stamped with the old version.
+
+Versions: TRL counts pushes from 1; the gateways get `offset` + that count, where `offset` is the
+highest version any gateway had when the run began, so versions only ever grow across runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+
+log = logging.getLogger(__name__)
+
+# Files of a model directory that are weights; everything else (config, tokenizer, chat
+# template, generation config) is copied into each checkpoint so it is a complete model.
+_WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)$|.*\.index\.json$")
+_CHECKPOINT = re.compile(r"policy-(\d+)$")
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+class WeightSyncError(RuntimeError):
+    """The engines cannot take the trainer's weights as configured; the message says why."""
+
+
+class PolicyAnnouncer:
+    """Sets the policy version on every gateway (`POST /admin/policy`)."""
+
+    def __init__(self, gateways: Iterable[str], admin_key: str, offset: int, timeout: float = 60):
+        self.gateways = [g.rstrip("/") for g in gateways]
+        self.offset = offset
+        self.announced: list[int] = []  # gateway versions, in order
+        self._http = httpx.Client(
+            timeout=timeout, headers={"Authorization": f"Bearer {admin_key}"}
+        )
+
+    @classmethod
+    def from_gateways(cls, gateways: Iterable[str], admin_key: str) -> PolicyAnnouncer:
+        """An announcer whose offset is the highest version the gateways hold now."""
+        gateways = list(gateways)
+        with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {admin_key}"}) as http:
+            versions = [_ok(http.get(f"{g.rstrip('/')}/admin/policy")).json()["version"]
+                        for g in gateways]
+        return cls(gateways, admin_key, max(versions))
+
+    def announce(self, trainer_version: int) -> int:
+        """Stamp new tokens with the gateway version of `trainer_version`; returns it."""
+        version = self.offset + trainer_version
+        for gateway in self.gateways:
+            _ok(self._http.post(f"{gateway}/admin/policy", json={"version": version}))
+        self.announced.append(version)
+        return version
+
+
+class VersionedTransfer:
+    """A weight transfer that announces each pushed version before the engines resume."""
+
+    def __init__(self, inner, announcer: PolicyAnnouncer) -> None:
+        self.inner = inner
+        self.announcer = announcer
+        self.pushes = 0  # TRL's model_version after the push in flight
+
+    def init_weight_transfer(self) -> None:
+        self.inner.init_weight_transfer()
+
+    def pause(self) -> None:
+        self.inner.pause()
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.inner.send_weights(iterator)
+        # TRL bumps its version exactly once per send, right after `resume`.
+        self.pushes += 1
+
+    def resume(self) -> None:
+        try:
+            self.announcer.announce(self.pushes)
+        finally:
+            # A gateway that cannot be told fails the run, but the engines must not stay
+            # frozen for the harnesses still talking to them.
+            self.inner.resume()
+
+    def destroy(self) -> None:
+        self.inner.destroy()
+
+
+def _ok(response: httpx.Response) -> httpx.Response:
+    if response.status_code != 200:
+        raise RuntimeError(
+            f"{response.request.method} {response.request.url} answered "
+            f"{response.status_code}: {response.text[:500]}"
+        )
+    return response
+
+
+def checkpoint_index(path: Path) -> int | None:
+    match = _CHECKPOINT.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def write_checkpoint(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    model_dir: Path,
+    dest: Path,
+    shard_bytes: int = 2 << 30,
+) -> Path:
+    """Write a complete model directory at `dest`: the weights as safetensors, the model's other
+    files copied. It appears at once (written beside it, then renamed), so a reader never sees a
+    partial one. Tensors stream in and are written in shards of about `shard_bytes`, so at most
+    one shard is held in memory; a checkpoint of several shards gets an index file."""
+    partial = dest.with_name(f".{dest.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for item in Path(model_dir).iterdir():
+        if item.is_file() and not _WEIGHT_FILE.fullmatch(item.name):
+            shutil.copy2(item, partial / item.name)
+    shard: dict[str, torch.Tensor] = {}
+    files: list[str] = []
+    weight_map: dict[str, str] = {}
+    size = 0
+
+    def flush() -> None:
+        files.append(f"model-{len(files) + 1:05d}.safetensors")
+        save_file(shard, str(partial / files[-1]), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, files[-1]))
+        shard.clear()
+
+    for name, tensor in named_tensors:
+        if name in weight_map or name in shard:
+            raise ValueError(f"parameter {name!r} sent twice")
+        shard[name] = tensor.detach().to("cpu").contiguous()
+        size += tensor.numel() * tensor.element_size()
+        if size >= shard_bytes:
+            flush()
+            size = 0
+    if shard or not files:
+        flush()
+    if len(files) == 1:
+        (partial / files[0]).rename(partial / _SINGLE_FILE)
+    else:
+        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (partial / _INDEX_FILE).write_text(json.dumps(index, indent=2))
+    partial.rename(dest)
+    return dest
+
+
+def _ties_embeddings(model_dir: Path) -> bool:
+    config = AutoConfig.from_pretrained(str(model_dir)).get_text_config()
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def untie_embeddings(model_dir: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """Copy a model whose LM head is tied to its input embeddings into `dest`, with the head
+    as a weight of its own (starting equal to the embeddings): the same model, but one whose
+    head an in-place reload can update on vLLM's CPU build."""
+    src, dest = Path(model_dir), Path(dest)
+    shutil.copytree(src, dest)
+    config_path = dest / "config.json"
+    config = json.loads(config_path.read_text())
+    config["tie_word_embeddings"] = False
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"]["tie_word_embeddings"] = False
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    index_path = dest / _INDEX_FILE
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        weight_map = index["weight_map"]
+        embed = next(name for name in weight_map if name.endswith("embed_tokens.weight"))
+        head = load_file(str(dest / weight_map[embed]))[embed].clone()
+        save_file({"lm_head.weight": head}, str(dest / "lm_head.safetensors"),
+                  metadata={"format": "pt"})
+        weight_map["lm_head.weight"] = "lm_head.safetensors"
+        index_path.write_text(json.dumps(index, indent=2))
+    else:
+        # A single-file model stays a single file: loaders read only model.safetensors then.
+        tensors = load_file(str(dest / _SINGLE_FILE))
+        embed = next(name for name in tensors if name.endswith("embed_tokens.weight"))
+        tensors["lm_head.weight"] = tensors[embed].clone()
+        save_file(tensors, str(dest / _SINGLE_FILE), metadata={"format": "pt"})
+    return dest
+
+
+def checkpoint_names(model_dir: Path) -> set[str]:
+    """Tensor names of a model directory's safetensors weights."""
+    names: set[str] = set()
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def check_names(sent: set[str], original: set[str]) -> None:
+    """The pushed names must be the model's own checkpoint names, or vLLM would silently keep
+    the tensors it finds no match for. Only a tied head may be absent from what the trainer
+    sends (the engine ties it to the embeddings itself)."""
+    unknown = sent - original
+    missing = original - sent - {"lm_head.weight"}
+    if unknown or missing:
+        raise ValueError(
+            "the trainer's parameter names do not match the model's checkpoint: "
+            f"unknown to the checkpoint {sorted(unknown)[:8]}, not sent {sorted(missing)[:8]}"
+        )
+
+
+class DiskWeightSync:
+    """Weight transfer through a checkpoint directory and vLLM's in-place reload (module doc).
+
+    Checkpoints go to `checkpoint_dir/policy-NNNNNN/`, numbered on from whatever is there; the
+    newest `keep` are kept (the last one is the trained model, ready to serve). The directory
+    must be readable by every replica under the same path.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        checkpoint_dir: str | os.PathLike,
+        vllm_urls: Iterable[str],
+        *,
+        keep: int = 2,
+        timeout: float = 1800,
+    ) -> None:
+        if keep < 1:
+            raise ValueError("keep at least one checkpoint: the replicas read the newest")
+        self.model_dir = Path(model_dir)
+        self.checkpoint_dir = Path(checkpoint_dir).resolve()
+        self.vllm_urls = [u.rstrip("/") for u in vllm_urls]
+        if not self.vllm_urls:
+            raise ValueError("no vLLM replica to sync")
+        self.keep = keep
+        self.latest: Path | None = None
+        self._http = httpx.Client(timeout=timeout)
+        self._pool = ThreadPoolExecutor(max_workers=len(self.vllm_urls))
+        self._original_names = checkpoint_names(self.model_dir)
+
+    def init_weight_transfer(self) -> None:
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        tied = _ties_embeddings(self.model_dir)
+        for url in self.vllm_urls:
+            response = self._http.get(f"{url}/server_info", params={"config_format": "json"})
+            if response.status_code == 404:
+                raise WeightSyncError(
+                    f"vLLM at {url} has no /server_info: start it with VLLM_SERVER_DEV_MODE=1 "
+                    "(rolltap serve-model does), which the pause and reload endpoints need too"
+                )
+            device = _ok(response).json()["vllm_config"]["device_config"]["device"]
+            if tied and device == "cpu":
+                # vLLM's CPU build prepacks the LM head's weight for its GEMM kernel when the
+                # model loads. An in-place reload repacks the layers it loads, and a tied head
+                # loads nothing of its own (its name is skipped), so the engine would keep
+                # sampling through the original head while the embeddings move (vLLM 0.32).
+                raise WeightSyncError(
+                    f"{self.model_dir} ties its LM head to its embeddings, and vLLM's CPU build "
+                    f"(at {url}) does not refresh a tied head when it reloads weights in place. "
+                    "Serve and train an untied copy of it, made by "
+                    "trainer_bridge.weights.untie_embeddings(MODEL_DIR, DEST)."
+                )
+
+    def pause(self) -> None:
+        # Pausing waits until the checkpoint is on disk (in `send_weights`): writing a large
+        # model takes long and the engines keep serving the old policy meanwhile.
+        pass
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        sent: set[str] = set()
+
+        def tracked():
+            for name, tensor in iterator:
+                sent.add(name)
+                yield name, tensor
+
+        existing = [i for p in self.checkpoint_dir.iterdir() if (i := checkpoint_index(p))]
+        dest = self.checkpoint_dir / f"policy-{max(existing, default=0) + 1:06d}"
+        write_checkpoint(tracked(), self.model_dir, dest)
+        check_names(sent, self._original_names)
+        try:
+            self._all("pause", lambda url: self._http.post(f"{url}/pause", params={"mode": "keep"}))
+            self._all("reload", lambda url: self._reload(url, dest))
+        except BaseException:
+            # Leave the engines serving (the old weights, or a failed reload's) rather than
+            # frozen: the run is over, the harnesses are not.
+            for error in self._on_all(lambda url: self._http.post(f"{url}/resume")):
+                log.error("weight sync: could not resume %s", error)
+            raise
+        self.latest = dest
+        self._prune()
+
+    def _reload(self, url: str, dest: Path) -> httpx.Response:
+        _ok(
+            self._http.post(
+                f"{url}/collective_rpc",
+                json={"method": "reload_weights", "kwargs": {"weights_path": str(dest)}},
+            )
+        )
+        # Cached prefixes hold keys and values the old weights computed. Requests frozen by the
+        # pause are recomputed under the new ones as they resume.
+        response = _ok(
+            self._http.post(f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"})
+        )
+        if not response.json().get("success", False):
+            raise RuntimeError(f"vLLM at {url} could not reset its prefix cache")
+        return response
+
+    def resume(self) -> None:
+        self._all("resume", lambda url: self._http.post(f"{url}/resume"))
+
+    def destroy(self) -> None:
+        self._pool.shutdown()
+        self._http.close()
+
+    def _on_all(self, call) -> list[str]:
+        """`call(url)` on every replica at once; the failures, as `url: error`."""
+        results = self._pool.map(lambda url: _attempt(call, url), self.vllm_urls)
+        return [f"{url}: {err}" for url, err in zip(self.vllm_urls, results) if err]
+
+    def _all(self, what: str, call) -> None:
+        if errors := self._on_all(call):
+            raise RuntimeError(f"weight sync: {what} failed on " + "; ".join(errors))
+
+    def _prune(self) -> None:
+        old = sorted(
+            (p for p in self.checkpoint_dir.iterdir() if checkpoint_index(p)),
+            key=checkpoint_index,
+        )[: -self.keep]
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _attempt(call, url: str) -> str | None:
+    """The error of `call(url)` as text, or None when it answered 200."""
+    try:
+        _ok(call(url))
+    except Exception as exc:  # collected per replica and raised together
+        return str(exc)
+    return None
