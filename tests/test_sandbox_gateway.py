@@ -69,3 +69,26 @@ def test_agent_cannot_use_admin_api_or_touch_other_rollouts(gateway, vllm_server
     state = gateway.admin.get(f"/admin/rollouts/{victim['rollout_id']}").json()
     assert state["status"] == "running" and state["reward"] is None and state["calls"] == []
     assert gateway.admin.get("/admin/policy").json()["version"] == policy_before
+
+
+def test_opencode_runs_an_example_task_end_to_end(gateway, vllm_server, tmp_path):
+    """The real OpenCode CLI from npm, in a sandbox, against the gateway and the tiny model:
+    its answer is nonsense, but the protocol path holds: calls recorded with the engine's token
+    ids, the hidden tests run, and the rollout ends with a reward."""
+    from tests.support.harnesses import require_harnesses
+
+    bin_dir = require_harnesses()
+    task = load_tasks(TASKS)[0]
+    harness = Harness(preset="opencode", model=vllm_server.model, max_output_tokens=32,
+                      executable=str(bin_dir / "opencode"))
+    report = asyncio.run(run_rollouts(
+        [task], harness, gateway=gateway.url, admin_key=ADMIN_KEY, group_size=1,
+        backend=LocalBackend(root=tmp_path), concurrency=1))
+    [rec] = report.finished
+    state = gateway.admin.get(f"/admin/rollouts/{rec.rollout_id}").json()
+    assert state["status"] in ("finished", "failed") and state["reward"] is not None
+    calls = [c for c in gateway.calls(rec.rollout_id) if c["status"] == "ok"]
+    assert calls and all(c["user_agent"].startswith("opencode") for c in calls)
+    assert all(c["prompt_ids"] and len(c["logprobs"]) == len(c["completion_ids"]) > 0
+               for c in calls)
+    assert state["merge"]["stats"]["lost_tokens"] == 0
