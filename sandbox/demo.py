@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                    admin, admin_key)
     finally:
         procs.stop_all()
-        _stop_embedded_postgres(workdir / "data" / "pgdata")
+        stop_embedded_postgres(workdir / "data" / "pgdata")
     print("\ndemo finished")
     return 0
 
@@ -300,11 +300,17 @@ def _train(steps: int, workdir: Path, rolltap: list[str], procs: _Processes, mod
           f"steps {summary['reward_last_steps'] or 0:.3f}; versions {summary['versions']}")
 
 
-def _stop_embedded_postgres(pgdata: Path) -> None:
-    """The gateway leaves its embedded Postgres running on purpose (so a restart reuses it); the
-    demo owns this one and stops it."""
-    if not (pgdata / "PG_VERSION").exists():
+def stop_embedded_postgres(pgdata: Path, timeout: float = 30.0) -> None:
+    """Stop the embedded Postgres in `pgdata`, which the gateway leaves running on purpose (a
+    restart reuses it). Signalled directly: pgserver's own cleanup stops a server only when its
+    last registered handle goes, and the gateway's handle stays registered."""
+    pid_file = pgdata / "postmaster.pid"
+    if not pid_file.exists():
         return
-    import pgserver
-
-    pgserver.get_server(pgdata, cleanup_mode="stop").cleanup()
+    pid = int(pid_file.read_text().split("\n", 1)[0])
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGINT)  # Postgres's fast shutdown
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            os.kill(pid, 0)
+            time.sleep(0.1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import openai
 
+from sandbox.demo import stop_embedded_postgres
 from tests.support.gateway import GatewayProcess
 
 
@@ -45,11 +46,6 @@ def test_embedded_postgres_when_no_database_url(vllm_server, tmp_path):
         assert (data_dir / "pgdata" / "PG_VERSION").exists()
     finally:
         gw.stop()
-        _stop_embedded(data_dir)
+        stop_embedded_postgres(data_dir / "pgdata")
 
 
-def _stop_embedded(data_dir) -> None:
-    """The embedded server outlives the gateway on purpose; tests stop theirs."""
-    import pgserver
-
-    pgserver.get_server(data_dir / "pgdata", cleanup_mode="stop").cleanup()
