@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,14 +36,12 @@ import httpx
 import numpy as np
 import openai
 
+from bench.bench_gateway import POSTGRES_URL, admin_sql, free_port
 from gateway.continuation import RequestKeys
 from gateway.render import EngineRenderer, LocalTemplate
 from gateway.upstream import Upstreams
 
 REPO = Path(__file__).resolve().parents[1]
-POSTGRES_URL = os.environ.get(
-    "ROLLTAP_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-)
 ADMIN_KEY = "bench-admin-" + uuid.uuid4().hex
 MODEL = "tiny"
 CONVERSATIONS = 6
@@ -73,30 +70,11 @@ TOOLS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _admin_sql(sql: str) -> None:
-    import asyncpg
-
-    async def go() -> None:
-        conn = await asyncpg.connect(POSTGRES_URL)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    asyncio.run(go())
-
-
 class _Gateway:
     """One gateway process with extra flags, and its admin API."""
 
     def __init__(self, upstream: str, dsn: str, extra: tuple[str, ...], log_path: Path) -> None:
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.args = [
             sys.executable, "-m", "gateway.cli", "gateway", "--upstream", upstream,
             "--port", self.url.rsplit(":", 1)[1], "--database-url", dsn,
@@ -257,7 +235,7 @@ def run(print_fn=print) -> dict:
 
             model_dir = write_tiny_model(tmp_dir / "tiny")
             vllm = start_vllm(
-                model_dir, _free_port(), served_model_name=MODEL, max_model_len=32768,
+                model_dir, free_port(), served_model_name=MODEL, max_model_len=32768,
                 kv_cache_gib=1, log_path=tmp_dir / "vllm.log",
             )  # fmt: skip
             print_fn(f"waiting for vLLM ({vllm.log_path}) ...")
@@ -265,7 +243,7 @@ def run(print_fn=print) -> dict:
             upstream = vllm.url
         datname = f"rolltap_bench_{uuid.uuid4().hex[:10]}"
         dsn = f"{POSTGRES_URL.rpartition('/')[0]}/{datname}"
-        _admin_sql(f'CREATE DATABASE "{datname}"')
+        admin_sql(f'CREATE DATABASE "{datname}"')
         modes = {}
         try:
             print_fn(
@@ -283,7 +261,7 @@ def run(print_fn=print) -> dict:
                 modes[name] = _mode_numbers(results)
             costs = asyncio.run(_render_costs(upstream, model_dir))
         finally:
-            _admin_sql(f'DROP DATABASE IF EXISTS "{datname}" WITH (FORCE)')
+            admin_sql(f'DROP DATABASE IF EXISTS "{datname}" WITH (FORCE)')
             if vllm is not None:
                 vllm.stop()
 

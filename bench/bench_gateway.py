@@ -270,7 +270,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _admin(sql: str) -> None:
+def admin_sql(sql: str) -> None:
     import asyncpg
 
     async def go() -> None:
@@ -592,7 +592,7 @@ def run(print_fn=print) -> dict:
     dsn = f"{POSTGRES_URL.rpartition('/')[0]}/{datname}"
     meta = json.loads(standin.META.read_text())
     stream_events = meta["stream_events"]
-    _admin(f'CREATE DATABASE "{datname}"')
+    admin_sql(f'CREATE DATABASE "{datname}"')
     try:
         commit_ms = commit_latency_ms(dsn)
         print_fn(
@@ -604,7 +604,7 @@ def run(print_fn=print) -> dict:
         )
         rows, lost = _measure(dsn, datname, stream_events, print_fn)
     finally:
-        _admin(f'DROP DATABASE IF EXISTS "{datname}" WITH (FORCE)')
+        admin_sql(f'DROP DATABASE IF EXISTS "{datname}" WITH (FORCE)')
     add_marginals(rows, stream_events)
     print_fn(format_table(SCENARIOS, rows, lost, stream_events))
     print_fn(f"load average at the end: {os.getloadavg()[0]:.1f}")

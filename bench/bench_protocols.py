@@ -35,7 +35,7 @@ import msgspec
 import numpy as np
 
 from bench import standin
-from bench.bench_gateway import POSTGRES_URL, Gateway, _admin, cpu_times, free_port
+from bench.bench_gateway import POSTGRES_URL, Gateway, admin_sql, cpu_times, free_port
 
 COMPLETION_STREAM = standin.DATA / "completion_stream.jsonl"  # vLLM's SSE `data:` payloads
 COMPLETION_META = standin.DATA / "completion_recording.json"
@@ -336,7 +336,7 @@ def run(print_fn=print) -> dict:
     completion_events = json.loads(COMPLETION_META.read_text())["stream_events"]
     datname = f"rolltap_bench_{uuid.uuid4().hex[:10]}"
     dsn = f"{POSTGRES_URL.rpartition('/')[0]}/{datname}"
-    _admin(f'CREATE DATABASE "{datname}"')
+    admin_sql(f'CREATE DATABASE "{datname}"')
     port = free_port()
     upstream = start_standin(port)
     log_dir = Path(tempfile.mkdtemp(prefix="rolltap-bench-protocols-"))
@@ -373,7 +373,7 @@ def run(print_fn=print) -> dict:
         gateway.stop()
         upstream.terminate()
         upstream.wait(10)
-        _admin(f'DROP DATABASE IF EXISTS "{datname}" WITH (FORCE)')
+        admin_sql(f'DROP DATABASE IF EXISTS "{datname}" WITH (FORCE)')
     print_fn(format_table(rows))
     return rows
 
