@@ -27,6 +27,9 @@ class GatewayConfig:
     data_dir: Path = field(default_factory=default_data_dir)
     admin_key: str = ""
     public_url: str = ""  # base URL handed to sandboxes; defaults to http://host:port
+    # Also served on this Unix socket (mode 0666): confined sandboxes on this machine reach the
+    # gateway only through it (bound into their network namespace).
+    unix_socket: Path | None = None
     # The training policy: every sampled token is drawn at this temperature with no truncation,
     # so the recorded logprobs are the ones the trainer's ratio is computed against.
     temperature: float = 1.0
@@ -98,6 +101,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("PUBLIC_URL", ""),
         help="base URL sandboxes reach the gateway at, handed out by POST /admin/rollouts "
         "(env ROLLTAP_PUBLIC_URL; default http://HOST:PORT)",
+    )
+    parser.add_argument(
+        "--unix-socket",
+        type=Path,
+        default=_env("UNIX_SOCKET"),
+        metavar="PATH",
+        help="also listen on this Unix socket; `rolltap rollouts --gateway-socket PATH` binds it "
+        "into confined sandboxes as their only way out (env ROLLTAP_UNIX_SOCKET)",
     )
     parser.add_argument(
         "--temperature",
@@ -186,6 +197,7 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         data_dir=args.data_dir,
         admin_key=args.admin_key or secrets.token_urlsafe(24),
         public_url=args.public_url,
+        unix_socket=args.unix_socket,
         temperature=args.temperature,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         upstream_timeout_s=args.upstream_timeout,

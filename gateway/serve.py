@@ -48,6 +48,11 @@ async def _serve(cfg) -> None:
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
     await site.start()
+    if cfg.unix_socket is not None:
+        await web.UnixSite(runner, str(cfg.unix_socket), backlog=1024).start()
+        # Sandboxes run as uids of their own; connecting to a socket needs write permission.
+        cfg.unix_socket.chmod(0o666)
+        print(f"rolltap gateway also listening on unix:{cfg.unix_socket}", flush=True)
     print(
         f"rolltap gateway listening on http://{cfg.host}:{cfg.port} "
         f"(public {cfg.public_url}); upstreams: {', '.join(cfg.upstreams)}",

@@ -1,8 +1,14 @@
 """The directory tree and the environment of one sandbox.
 
-    <root>/work    the agent's working directory (task files, later the hidden tests)
-    <root>/home    HOME, with the XDG config/cache/data/state directories inside
-    <root>/tmp     TMPDIR
+    <root>/agent/{work,home,tmp}      the agent's area (setup and agent phases): its working
+                                      directory, HOME (with the XDG directories), TMPDIR
+    <root>/verifier/{work,home,tmp}   the verifier's area: a copy of the agent's final workdir
+    <root>/hidden/                    the hidden tests and the protected originals, read-only
+    <root>/etc/                       passwd and group naming the phase's uid
+
+Each area is a tmpfs of its own size where the machine allows it (disk.py) and belongs to its
+phase's uid. A confined phase sees its area at /sandbox/{work,home} and /tmp, and nothing else
+of the tree.
 
 The environment is built from nothing: whatever the runner holds (admin key, cloud
 credentials, tokens) never reaches the harness or the verifier.
@@ -10,9 +16,12 @@ credentials, tokens) never reaches the harness or the verifier.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -20,6 +29,8 @@ from pathlib import Path, PurePosixPath
 
 import msgspec
 
+from sandbox import disk
+from sandbox.confine import INSIDE
 from sandbox.tasks import check_relative_path
 
 # Tools that consult an npm registry (OpenCode fetches plugins at every start) must fail fast
@@ -43,10 +54,13 @@ class SandboxDirs(msgspec.Struct, frozen=True):
         }
 
 
+# Where a confined phase sees its area.
+INSIDE_DIRS = SandboxDirs(root=INSIDE, work=f"{INSIDE}/work", home=f"{INSIDE}/home", tmp="/tmp")
+
+
 def sandbox_parent(root: str | None) -> str:
     """The directory sandboxes are made in: `root`, or by default one in the temp dir shared
-    by every sandbox of this user on the machine (every run, every Ray worker), so that hiding
-    it from an agent hides all of its siblings."""
+    by every sandbox of this user on the machine (every run, every Ray worker)."""
     if root is not None:
         os.makedirs(root, mode=0o700, exist_ok=True)
         return root
@@ -59,27 +73,36 @@ def sandbox_parent(root: str | None) -> str:
     return parent
 
 
-def make_dirs(parent: str | None, label: str) -> SandboxDirs:
-    root = tempfile.mkdtemp(prefix=f"rolltap-{label}-", dir=parent)
-    dirs = SandboxDirs(root=root, work=f"{root}/work", home=f"{root}/home", tmp=f"{root}/tmp")
+def make_root(parent: str, label: str) -> str:
+    return tempfile.mkdtemp(prefix=f"rolltap-{label}-", dir=parent)
+
+
+def make_area(root: str, name: str, size_mb: int | None) -> tuple[SandboxDirs, str | None]:
+    """A fresh area under `root` (a tmpfs of `size_mb` where possible), and why its disk is
+    not bounded if it is not."""
+    base = os.path.join(root, name)
+    os.mkdir(base, 0o700)
+    problem = disk.bound(base, size_mb)
+    dirs = SandboxDirs(root=base, work=f"{base}/work", home=f"{base}/home", tmp=f"{base}/tmp")
     for path in (dirs.work, dirs.tmp, *dirs.xdg.values()):
         os.makedirs(path, mode=0o700, exist_ok=True)
-    return dirs
+    return dirs, problem
 
 
-def verifier_dirs(dirs: SandboxDirs) -> SandboxDirs:
-    """Same workdir, new HOME and TMPDIR: what the agent left in its HOME (a user
-    site-packages with a .pth file, tool configs) must not run inside the verifier."""
-    fresh = SandboxDirs(
-        root=dirs.root, work=dirs.work, home=f"{dirs.root}/verifier-home",
-        tmp=f"{dirs.root}/verifier-tmp",
-    )
-    for path in (fresh.tmp, *fresh.xdg.values()):
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    return fresh
+def release_areas(root: str, keep: bool) -> None:
+    """Unmount the areas' tmpfs; with `keep`, their contents stay, copied to the host disk."""
+    for name in ("agent", "verifier"):
+        area = os.path.join(root, name)
+        if keep and os.path.ismount(area):
+            shutil.copytree(area, area + ".kept", symlinks=True)
+            disk.release(area)
+            os.rmdir(area)
+            os.rename(area + ".kept", area)
+        else:
+            disk.release(area)
 
 
-def remove_dirs(dirs: SandboxDirs) -> None:
+def remove_tree(root: str) -> None:
     # An agent may leave directories without write or search permission behind.
     def unlock(func, path, _exc):
         for p in (os.path.dirname(path), path):
@@ -88,9 +111,65 @@ def remove_dirs(dirs: SandboxDirs) -> None:
         func(path)
 
     if sys.version_info >= (3, 12):
-        shutil.rmtree(dirs.root, onexc=unlock)
+        shutil.rmtree(root, onexc=unlock)
     else:
-        shutil.rmtree(dirs.root, onerror=unlock)
+        shutil.rmtree(root, onerror=unlock)
+
+
+def chown_tree(path: str, uid: int) -> None:
+    """Give `path` and everything under it to `uid` (never following a link)."""
+    os.lchown(path, uid, uid)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in [*dirnames, *filenames]:
+            os.lchown(os.path.join(dirpath, name), uid, uid)
+
+
+def copy_work(src: str, dst: str, skip: set[str]) -> None:
+    """Copy the agent's workdir for the verifier: directories, regular files (without setuid
+    bits) and links as links; anything else, and the relative paths in `skip`, left out."""
+    for dirpath, dirnames, filenames in os.walk(src):
+        rel_dir = os.path.relpath(dirpath, src)
+        for name in [*dirnames, *filenames]:
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            source, target = os.path.join(dirpath, name), os.path.join(dst, rel)
+            st = os.lstat(source)
+            if rel in skip:
+                if name in dirnames:
+                    dirnames.remove(name)
+            elif stat.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(source), target)
+            elif stat.S_ISDIR(st.st_mode):
+                os.mkdir(target, 0o700)
+            elif stat.S_ISREG(st.st_mode):
+                fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+                with os.fdopen(fd, "rb") as fin, open(target, "xb") as fout:
+                    shutil.copyfileobj(fin, fout, 1 << 20)
+                os.chmod(target, stat.S_IMODE(st.st_mode) & 0o777)
+
+
+def write_identity(root: str, uid: int) -> tuple[str, str]:
+    """passwd and group files naming `uid` (whose home is the sandbox's), so that tools which
+    look their user up (Node's os.userInfo) find one. Returns their paths."""
+    etc = os.path.join(root, "etc", str(uid))
+    os.makedirs(etc, exist_ok=True)
+    passwd, group = os.path.join(etc, "passwd"), os.path.join(etc, "group")
+    with open(passwd, "w") as fh:
+        fh.write(f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{uid}:{uid}:rolltap sandbox:"
+                 f"{INSIDE_DIRS.home}:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n")
+    with open(group, "w") as fh:
+        fh.write(f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n")
+    return passwd, group
+
+
+@functools.lru_cache(maxsize=1)
+def runtime_paths() -> tuple[str, ...]:
+    """What a confined phase needs to run rolltap's python (the `python` preset, pytest
+    verifiers): the interpreter's prefixes, its import path, and this `sandbox` package."""
+    code = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, *sys.path]))"
+    proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                          check=True, timeout=60)
+    paths = [p for p in json.loads(proc.stdout) if p and os.path.isabs(p)]
+    return (*paths, os.path.dirname(os.path.abspath(__file__)))
 
 
 def _clear(path: Path) -> None:

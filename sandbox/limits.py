@@ -2,8 +2,10 @@
 
 rlimits are per process (CPU seconds, address space, file size, open files) except
 RLIMIT_NPROC, which Linux counts per user and ignores for root. So the process cap is set two
-ways: RLIMIT_NPROC relative to what the user already runs (non-root), and a pids cgroup of its
-own when one can be created (see cgroup.py), which also holds for root.
+ways: RLIMIT_NPROC (a confined sandbox runs as a uid of its own, so the count is its own), and a
+pids cgroup of its own when one can be created (see cgroup.py), which also holds for root.
+Memory and CPU of the whole sandbox are cgroup limits; its disk is the size of its own tmpfs
+(disk.py). A confined sandbox cannot raise any of them: it has no capabilities.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_procs: int | None = 256  # tasks, threads included (both the cgroup and NPROC count them)
     file_size_mb: int | None = 512
     open_files: int | None = 4096
+    # The whole sandbox (every process of a phase): cgroup memory (no swap), CPUs of CPU time
+    # per wall-clock second, and the size of its writable directories.
+    memory_mb: int | None = 4096
+    cpus: float | None = 1.0
+    disk_mb: int | None = 1024
     # Bytes of stdout and of stderr kept (head + tail) per process; the rest is counted only.
     output_bytes: int = 256 * 1024
 
@@ -66,22 +73,32 @@ def user_task_count(uid: int) -> int:
     return count
 
 
-def nproc_budget(limits: Limits) -> int | None:
-    """RLIMIT_NPROC for the child: its own budget on top of what the user already runs."""
-    if limits.max_procs is None or os.geteuid() == 0:
+def nproc_budget(limits: Limits, own_uid: bool) -> int | None:
+    """RLIMIT_NPROC for the child: all of it for a uid of its own, else its own budget on top
+    of what the user already runs (none for root, which the kernel does not count)."""
+    if limits.max_procs is None:
+        return None
+    if own_uid:
+        return limits.max_procs
+    if os.geteuid() == 0:
         return None
     return user_task_count(os.geteuid()) + limits.max_procs
 
 
-def make_preexec(table: list[tuple[int, int, int]], cgroup_procs: str | None) -> Callable[[], None]:
-    """The function run in the child after fork: join the cgroup first, then lower limits.
+def cgroup_limits(limits: Limits) -> dict[str, float | None]:
+    """controller -> limit, for Cgroup.create."""
+    return {"pids": limits.max_procs, "memory": limits.memory_mb, "cpu": limits.cpus}
 
-    The cgroup is joined before exec so that not even the first fork escapes it.
+
+def make_preexec(table: list[tuple[int, int, int]], cgroup_procs: list[str]) -> Callable[[], None]:
+    """The function run in the child after fork: join the cgroups first, then lower limits.
+
+    The cgroups are joined before exec so that not even the first fork escapes them.
     """
 
     def preexec() -> None:
-        if cgroup_procs is not None:
-            with open(cgroup_procs, "w") as fh:
+        for procs in cgroup_procs:
+            with open(procs, "w") as fh:
                 fh.write(str(os.getpid()))
         for res, soft, hard in table:
             cur_soft, cur_hard = resource.getrlimit(res)

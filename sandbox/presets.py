@@ -12,8 +12,10 @@ Each preset uses one protocol, and with it one of the gateway's base URLs: `open
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -341,6 +343,23 @@ def executable(harness: Harness) -> str:
     if harness.preset == "command":
         return shlex.split(harness.command or "")[0]
     return harness.executable or NPM_EXECUTABLES[harness.preset]
+
+
+def install_paths(harness: Harness, path: str) -> list[str]:
+    """Host directories a confined harness must read besides the system and rolltap's python:
+    the `python` preset's import directories; the `node_modules` tree an npm harness's
+    executable lives in; the directory of a command's program. `path`: the sandbox's PATH."""
+    if harness.preset == "python":
+        return list(harness.pythonpath)
+    found = shutil.which(executable(harness), path=path)
+    if found is None:
+        return []
+    real = os.path.realpath(found)
+    if harness.preset != "command":
+        parts = real.split(os.sep)
+        if "node_modules" in parts:
+            return [os.sep.join(parts[: parts.index("node_modules") + 1])]
+    return [os.path.dirname(real)]
 
 
 def harness_limits(harness: Harness) -> Limits:

@@ -1,10 +1,10 @@
-"""Run one command contained: own session, rlimits, pids cgroup, optionally a private mount
-namespace that hides paths (isolation.py), wall-clock timeout, bounded output, and nothing of
-it left running afterwards.
+"""Run one command contained: own session, rlimits, cgroup, wall-clock timeout, bounded
+output, and nothing of it left running afterwards.
 
-The command runs under reaper.py, which kills and reaps the command's leftovers when it exits.
-On timeout or cancellation the reaper is asked to stop (SIGTERM), then the whole session's
-process group and the cgroup are killed whatever it did.
+A confined command (a bwrap command line from confine.py) has its own PID namespace, which dies
+with it. An unconfined one runs under reaper.py, which kills and reaps the command's leftovers
+when it exits. On timeout or cancellation the command (or the reaper) is asked to stop
+(SIGTERM), then the whole session's process group and the cgroup are killed whatever it did.
 """
 
 from __future__ import annotations
@@ -15,16 +15,15 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import msgspec
 
 from sandbox import reaper
 from sandbox.capture import BoundedBuffer, drain
-from sandbox.cgroup import PidsCgroup
-from sandbox.isolation import MountOp, enter
-from sandbox.limits import Limits, make_preexec, nproc_budget, rlimit_table
+from sandbox.cgroup import Cgroup
+from sandbox.limits import Limits, cgroup_limits, make_preexec, nproc_budget, rlimit_table
 
 ProcessStatus = Literal["ok", "crashed", "timeout"]
 
@@ -44,6 +43,8 @@ class ProcessOutcome(msgspec.Struct, frozen=True):
     output_truncated: bool
     peak_pids: int | None = None
     process_cap: Literal["cgroup", "rlimit", "none"] = "none"
+    peak_memory_mb: int | None = None
+    cgroup: tuple[str, ...] = ()  # controllers whose limits held
 
 
 def classify(exit_code: int | None, timed_out: bool) -> ProcessStatus:
@@ -69,19 +70,6 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
-def _with_mounts(
-    preexec: Callable[[], None], mounts: Sequence[MountOp] | None, cwd: str
-) -> Callable[[], None]:
-    if mounts is None:
-        return preexec
-
-    def isolated() -> None:
-        preexec()
-        enter(mounts, cwd)
-
-    return isolated
-
-
 async def run_contained(
     argv: Sequence[str],
     *,
@@ -90,33 +78,29 @@ async def run_contained(
     limits: Limits,
     timeout_s: float,
     use_cgroup: bool = True,
-    mounts: Sequence[MountOp] | None = None,
+    confined: bool = False,
+    own_uid: bool = False,
+    pass_fds: Sequence[int] = (),
 ) -> ProcessOutcome:
-    """Run `argv` in `cwd` with exactly `env`; never leaves a process of it behind. With
-    `mounts`, in a private mount namespace with them applied; if that cannot be set up the
-    command does not run and this raises (subprocess.SubprocessError)."""
-    cgroup = (
-        PidsCgroup.create(limits.max_procs)
-        if use_cgroup and limits.max_procs is not None
-        else None
-    )
-    nproc = nproc_budget(limits)
-    cap = "cgroup" if cgroup else ("rlimit" if nproc is not None else "none")
-    preexec = _with_mounts(
-        make_preexec(rlimit_table(limits, nproc), cgroup.procs_file if cgroup else None),
-        mounts,
-        cwd,
-    )
+    """Run `argv` in `cwd` with exactly `env`; never leaves a process of it behind.
+
+    `confined`: `argv` starts its own PID namespace (bwrap), so no reaper is needed.
+    `own_uid`: it runs as a uid no other process uses, so RLIMIT_NPROC is its own count.
+    """
+    cgroup = Cgroup.create(cgroup_limits(limits)) if use_cgroup else None
+    nproc = nproc_budget(limits, own_uid)
+    if cgroup and "pids" in cgroup.controllers and limits.max_procs is not None:
+        cap = "cgroup"
+    else:
+        cap = "rlimit" if nproc is not None else "none"
+    preexec = make_preexec(rlimit_table(limits, nproc), cgroup.procs_files if cgroup else [])
+    command = list(argv) if confined else [sys.executable, "-I", "-S", reaper.__file__, *argv]
     out, err = BoundedBuffer(limits.output_bytes), BoundedBuffer(limits.output_bytes)
     started = time.monotonic()
     timed_out = False
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-I",
-            "-S",
-            reaper.__file__,
-            *argv,
+            *command,
             cwd=cwd,
             env=dict(env),
             stdin=asyncio.subprocess.DEVNULL,
@@ -124,6 +108,7 @@ async def run_contained(
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
             preexec_fn=preexec,
+            pass_fds=tuple(pass_fds),
         )
         readers = [
             asyncio.ensure_future(drain(proc.stdout, out)),
@@ -154,8 +139,10 @@ async def run_contained(
             stdout_bytes=out.total,
             stderr_bytes=err.total,
             output_truncated=out.truncated or err.truncated,
-            peak_pids=cgroup.peak() if cgroup else None,
+            peak_pids=cgroup.peak_pids() if cgroup else None,
             process_cap=cap,
+            peak_memory_mb=cgroup.peak_memory_mb() if cgroup else None,
+            cgroup=cgroup.controllers if cgroup else (),
         )
     finally:
         if cgroup is not None:

@@ -50,6 +50,10 @@ class TaskSpec(msgspec.Struct, forbid_unknown_fields=True):
     setup: str | None = None
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     metadata: dict[str, Any] = {}
+    # Paths (files or directories, relative to the workdir) of the starting files the agent
+    # must leave as they are, such as its own tests or a conftest.py: any change scores 0 with
+    # status `tampered`, and the verifier sees the originals.
+    protected: list[str] = []
 
 
 # ---- the resolved, self-contained task ------------------------------------------------------
@@ -69,6 +73,7 @@ class Task(msgspec.Struct, frozen=True):
     setup: str | None = None
     timeouts: Timeouts = Timeouts()
     metadata: dict[str, Any] = {}
+    protected: tuple[str, ...] = ()
     # Resolved paths the task set was read from: the task file and every files_dir of any of
     # its tasks. They hold hidden tests (this task's and its siblings'), so the agent must not
     # see them.
@@ -204,6 +209,11 @@ def resolve_task(spec: TaskSpec, base: Path, source: str, lineno: int) -> Task:
     )
     if not spec.verifier.command.strip():
         raise _line_error(source, lineno, 'field "verifier.command": must not be empty')
+    protected = []
+    for name in spec.protected:
+        if problem := check_relative_path(name):
+            raise _line_error(source, lineno, f'field "protected": {name!r}: {problem}')
+        protected.append(str(PurePosixPath(name)))
     return Task(
         id=spec.id,
         prompt=spec.prompt,
@@ -212,7 +222,14 @@ def resolve_task(spec: TaskSpec, base: Path, source: str, lineno: int) -> Task:
         setup=spec.setup,
         timeouts=spec.timeouts,
         metadata=spec.metadata,
+        protected=tuple(protected),
     )
+
+
+def protected_files(task: Task) -> dict[str, bytes]:
+    """The starting files under the task's protected paths."""
+    return {name: data for name, data in task.files.items()
+            if any(name == p or name.startswith(p + "/") for p in task.protected)}
 
 
 def _tree_dirs(spec: TaskSpec, base: Path) -> list[str]:

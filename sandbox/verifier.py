@@ -1,10 +1,10 @@
-"""Score a finished sandbox: copy the hidden tests in, run the task's verifier command, read
-the reward.
+"""Score a finished sandbox: run the task's verifier command, read the reward.
 
 Reward kinds:
 - `pytest`: fraction of the tests that passed (skipped and xfailed ones do not count), read from
-  a JUnit XML report the verifier is made to write (PYTEST_ADDOPTS), else from pytest's summary
-  line.
+  the one line the rolltap pytest plugin (pytest_report.py, loaded through PYTEST_ADDOPTS)
+  writes to a pipe only the runner reads. A channel holding anything but that one line was
+  written by the tested code: the result is `tampered`, reward 0.0.
 - `binary`: 1.0 if the command exits 0, else 0.0.
 - `script`: the number the command prints on its last non-empty stdout line.
 
@@ -14,20 +14,21 @@ result cannot be read scores None (unscorable), with the reason in `detail`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import os
-import re
-import xml.etree.ElementTree as ET
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import msgspec
 
-from sandbox.layout import SandboxDirs, replace_files
-from sandbox.limits import Limits
-from sandbox.process import ProcessOutcome, ProcessStatus, run_contained
-from sandbox.tasks import RewardKind, Verifier
+from sandbox import pytest_report
+from sandbox.process import ProcessOutcome, ProcessStatus
+from sandbox.tasks import RewardKind
 
 OUTPUT_TAIL = 4000
+# The plugin's line is a few dozen bytes; more than this is someone else writing.
+CHANNEL_LIMIT = 1 << 16
 
 
 class VerifierResult(msgspec.Struct, frozen=True):
@@ -39,6 +40,7 @@ class VerifierResult(msgspec.Struct, frozen=True):
     passed: int | None = None
     total: int | None = None
     output: str = ""
+    tampered: bool = False
 
 
 class Counts(msgspec.Struct, frozen=True):
@@ -46,47 +48,32 @@ class Counts(msgspec.Struct, frozen=True):
     total: int
 
 
-def junit_counts(xml_text: str) -> Counts | None:
-    """Passed and counted tests from a JUnit XML report (one or many testsuite elements)."""
+class Report(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    passed: int
+    failed: int
+    errors: int
+    exitstatus: int
+
+
+class Tampered(Exception):
+    """The report channel holds something the plugin did not write."""
+
+
+def read_report(channel: bytes) -> Counts | None:
+    """Counts from the report channel's bytes; None if it is empty (the plugin never ran).
+    Raises Tampered for anything but exactly one well-formed line."""
+    if not channel:
+        return None
+    if (not channel.startswith(pytest_report.PREFIX) or not channel.endswith(b"\n")
+            or channel.count(b"\n") != 1):
+        raise Tampered
     try:
-        root = ET.fromstring(xml_text)
-    except ET.ParseError:
-        return None
-    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    if not suites:
-        return None
-    tests = failures = errors = skipped = 0
-    for suite in suites:
-        try:
-            tests += int(suite.get("tests", 0))
-            failures += int(suite.get("failures", 0))
-            errors += int(suite.get("errors", 0))
-            skipped += int(suite.get("skipped", 0))
-        except ValueError:
-            return None
-    total = tests - skipped
-    return Counts(passed=total - failures - errors, total=total)
-
-
-_SUMMARY_ITEM = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
-_SUMMARY_LINE = re.compile(r"\d+ (passed|failed|errors?|skipped|xfailed|xpassed|deselected|"
-                           r"warnings?|no tests ran).* in [\d.]+s")
-
-
-def summary_counts(output: str) -> Counts | None:
-    """Counts from pytest's final summary line ("3 passed, 1 failed in 0.12s")."""
-    for line in reversed(output.splitlines()):
-        if not _SUMMARY_LINE.search(line) and "no tests ran" not in line:
-            continue
-        counts: dict[str, int] = {}
-        for number, word in _SUMMARY_ITEM.findall(line):
-            key = "errors" if word.startswith("error") else word
-            counts[key] = counts.get(key, 0) + int(number)
-        passed = counts.get("passed", 0) + counts.get("xpassed", 0)
-        total = passed + counts.get("failed", 0) + counts.get("errors", 0)
-        return Counts(passed=passed, total=total)
-    return None
-
+        report = msgspec.json.decode(channel[len(pytest_report.PREFIX):], type=Report)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise Tampered from None
+    if min(report.passed, report.failed, report.errors) < 0:
+        raise Tampered
+    return Counts(report.passed, report.passed + report.failed + report.errors)
 
 def script_number(stdout: str) -> float | None:
     lines = [line.strip() for line in stdout.splitlines() if line.strip()]
@@ -100,60 +87,65 @@ def script_number(stdout: str) -> float | None:
 
 
 def score(
-    kind: RewardKind, outcome: ProcessOutcome, junit: str | None
-) -> tuple[float | None, str, Counts | None]:
-    """(reward, why, test counts) for a verifier run. Pure."""
+    kind: RewardKind, outcome: ProcessOutcome, channel: bytes
+) -> tuple[float | None, str, Counts | None, bool]:
+    """(reward, why, test counts, tampered) for a verifier run. Pure."""
     if outcome.status == "timeout":
-        return 0.0, "verifier timed out", None
+        return 0.0, "verifier timed out", None, False
     if kind == "binary":
         ok = outcome.exit_code == 0
-        return (1.0 if ok else 0.0), f"exit code {outcome.exit_code}", None
+        return (1.0 if ok else 0.0), f"exit code {outcome.exit_code}", None, False
     if kind == "script":
         value = script_number(outcome.stdout) if outcome.exit_code == 0 else None
         if value is None:
-            return None, f"no number on the last stdout line (exit code {outcome.exit_code})", None
-        return value, "script output", None
-    counts = (junit_counts(junit) if junit else None) or summary_counts(outcome.stdout)
+            return (None, f"no number on the last stdout line (exit code {outcome.exit_code})",
+                    None, False)
+        return value, "script output", None, False
+    try:
+        counts = read_report(channel)
+    except Tampered:
+        return 0.0, "the pytest report channel was written by the tested code", None, True
     if counts is None:
-        return None, f"could not read pytest results (exit code {outcome.exit_code})", None
+        return None, (f"no report from the rolltap pytest plugin (exit code {outcome.exit_code}"
+                      "; the verifier must run pytest with rolltap's python)"), None, False
     if counts.total <= 0:
-        return None, "no tests ran", counts
-    return counts.passed / counts.total, f"{counts.passed}/{counts.total} tests passed", counts
+        return None, "no tests ran", counts, False
+    return (counts.passed / counts.total, f"{counts.passed}/{counts.total} tests passed",
+            counts, False)
 
 
-async def verify(
-    verifier: Verifier,
-    dirs: SandboxDirs,
-    env: Mapping[str, str],
-    limits: Limits,
-    timeout_s: float,
-    use_cgroup: bool = True,
-) -> VerifierResult:
-    """Copy the hidden files into the workdir and run the verifier there.
+def _drain(fd: int) -> bytes:
+    """Everything written to the pipe until every writer is gone, keeping CHANNEL_LIMIT + 1
+    bytes at most (enough to tell too much)."""
+    kept = bytearray()
+    while chunk := os.read(fd, 65536):
+        if len(kept) <= CHANNEL_LIMIT:
+            kept += chunk[: CHANNEL_LIMIT + 1 - len(kept)]
+    return bytes(kept)
 
-    Call only once every process of the agent is gone: from here on the workdir holds the
-    hidden tests.
+
+Run = Callable[[Mapping[str, str], Sequence[int]], Awaitable[ProcessOutcome]]
+
+
+async def verify(kind: RewardKind, run: Run) -> VerifierResult:
+    """Run the verifier with `run(extra environment, descriptors to pass)` and score it.
+
+    Call only once every process of the agent is gone.
     """
-    replace_files(dirs.work, verifier.files)
-    report_dir = os.path.join(dirs.root, "report")
-    os.makedirs(report_dir, exist_ok=True)
-    junit_path = os.path.join(report_dir, "junit.xml")
-    run_env = dict(env)
-    if verifier.reward == "pytest":
-        run_env["PYTEST_ADDOPTS"] = f"--junitxml={junit_path}"
-    outcome = await run_contained(
-        ["/bin/sh", "-c", verifier.command],
-        cwd=dirs.work,
-        env=run_env,
-        limits=limits,
-        timeout_s=timeout_s,
-        use_cgroup=use_cgroup,
-    )
-    junit = None
-    if verifier.reward == "pytest" and os.path.isfile(junit_path):
-        with open(junit_path, encoding="utf-8", errors="replace") as fh:
-            junit = fh.read(limits.output_bytes * 16)
-    reward, detail, counts = score(verifier.reward, outcome, junit)
+    extra: dict[str, str] = {}
+    read_fd, write_fd = os.pipe()
+    reader = asyncio.ensure_future(asyncio.to_thread(_drain, read_fd))
+    try:
+        if kind == "pytest":
+            extra = {"PYTEST_ADDOPTS": "-p sandbox.pytest_report",
+                     pytest_report.ENV: str(write_fd)}
+        outcome = await run(extra, (write_fd,) if kind == "pytest" else ())
+    finally:
+        os.close(write_fd)  # the reader sees the end once the verifier's copies are gone too
+        channel = await asyncio.shield(reader)
+        with contextlib.suppress(OSError):
+            os.close(read_fd)
+    reward, detail, counts, tampered = score(kind, outcome, channel)
     return VerifierResult(
         reward=reward,
         detail=detail,
@@ -163,4 +155,5 @@ async def verify(
         passed=counts.passed if counts else None,
         total=counts.total if counts else None,
         output=(outcome.stdout + outcome.stderr)[-OUTPUT_TAIL:],
+        tampered=tampered,
     )

@@ -7,14 +7,17 @@ from typing import Literal, Protocol
 
 import msgspec
 
-from sandbox.isolation import IsolationStatus
 from sandbox.presets import Harness
 from sandbox.process import ProcessOutcome
 from sandbox.tasks import Task
 from sandbox.verifier import VerifierResult
 
 CrashReward = Literal["zero", "null", "verify"]
-SandboxStatus = Literal["ok", "crashed", "timeout", "setup_failed"]
+# tampered: the agent changed a protected path, or the tested code wrote into the verifier's
+# report channel; scores 0.
+SandboxStatus = Literal["ok", "crashed", "timeout", "setup_failed", "tampered"]
+# bwrap: every phase confined (confine.py). none: the explicit opt-out, shown in the summary.
+Isolation = Literal["bwrap", "none"]
 GatewayStatus = Literal["finished", "failed", "timeout"]
 
 ERROR_TAIL = 2000
@@ -50,12 +53,13 @@ class SandboxResult(msgspec.Struct, frozen=True):
     agent: ProcessOutcome | None = None
     setup: ProcessOutcome | None = None
     verifier: VerifierResult | None = None
-    isolation: IsolationStatus = "disabled"
+    isolation: Isolation = "none"
     warnings: tuple[str, ...] = ()
 
     @property
     def gateway_status(self) -> GatewayStatus:
-        return {"ok": "finished", "timeout": "timeout"}.get(self.status, "failed")
+        return {"ok": "finished", "tampered": "finished", "timeout": "timeout"}.get(
+            self.status, "failed")
 
     def metrics(self) -> dict:
         """What the runner posts with the reward: enough to tell why a rollout scored what it
@@ -73,6 +77,8 @@ class SandboxResult(msgspec.Struct, frozen=True):
                 "stderr_bytes": self.agent.stderr_bytes,
                 "output_truncated": self.agent.output_truncated,
                 "peak_pids": self.agent.peak_pids,
+                "peak_memory_mb": self.agent.peak_memory_mb,
+                "cgroup": list(self.agent.cgroup),
             }
         if self.verifier is not None:
             m |= {
@@ -92,6 +98,8 @@ def decide_reward(
     """The rollout's reward from how the agent ended and what the verifier found. Pure."""
     if status == "setup_failed":
         return None, "task setup failed"
+    if status == "tampered":
+        return 0.0, verifier.detail if verifier is not None else "tampered"
     if status == "ok" or crash_reward == "verify":
         assert verifier is not None, "the verifier runs whenever its result is used"
         prefix = "" if status == "ok" else f"agent {status}; "
@@ -100,7 +108,7 @@ def decide_reward(
 
 
 def needs_verifier(status: SandboxStatus, crash_reward: CrashReward) -> bool:
-    return status == "ok" or (status != "setup_failed" and crash_reward == "verify")
+    return status == "ok" or (status in ("crashed", "timeout") and crash_reward == "verify")
 
 
 class Backend(Protocol):

@@ -1,44 +1,227 @@
 """Run one rollout's sandbox on this machine.
 
-Order inside one sandbox, each step a contained process (own session, rlimits, pids cgroup,
-wall-clock timeout, bounded output, no process left afterwards):
-  1. fresh directories, the task's starting files in the workdir;
-  2. the task's setup command, if any;
-  3. the harness, with the rollout's key and gateway URLs and nothing else of the runner's
-     environment, in a private mount namespace (isolation.py) where the task set's files,
-     every other sandbox, the runner's state file and the raw disks are hidden;
-  4. only after every process of the harness is gone: the hidden tests into the workdir, and
-     the verifier, with a fresh HOME and without the rollout's key;
-  5. the directories are removed.
+Order inside one sandbox (layout.py has the directories, confine.py the confinement):
+  1. the agent's area (a bounded tmpfs owned by the agent's uid) with the task's files;
+  2. the task's setup command, if any, confined as the agent's uid, without network;
+  3. the harness, confined as the agent's uid, with the rollout's key and the gateway's URLs
+     and nothing else of the runner's environment; its network namespace reaches only the
+     gateway, through a Unix socket (relay.py);
+  4. once the agent's PID namespace is gone (with every process in it): the protected paths
+     checked (a change scores 0, `tampered`); the agent's workdir copied into the verifier's
+     area (another uid's); the verifier confined there without network, the hidden tests and
+     the protected originals bound read-only; its report read from a pipe (verifier.py);
+  5. the areas unmounted and the directories removed.
+
+Each phase also runs with rlimits and in a cgroup of its own, with a wall-clock timeout and
+bounded output (process.py). `isolation="none"` runs the same steps unconfined: the explicit
+opt-out, recorded in every result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Mapping, Sequence
+from pathlib import PurePosixPath
+from urllib.parse import urlsplit
 
+from sandbox import confine
 from sandbox.backends.base import (
+    Isolation,
     SandboxRequest,
     SandboxResult,
     SandboxStatus,
     decide_reward,
     needs_verifier,
 )
-from sandbox.isolation import IsolationStatus, MountOp, sandbox_mounts, unavailable_reason
+from sandbox.confine import Bind, Phase, View
 from sandbox.layout import (
+    INSIDE_DIRS,
     SandboxDirs,
     base_env,
-    make_dirs,
-    remove_dirs,
+    chown_tree,
+    copy_work,
+    make_area,
+    make_root,
+    release_areas,
+    remove_tree,
+    replace_files,
+    runtime_paths,
     sandbox_parent,
     sandbox_path,
-    verifier_dirs,
     write_files,
+    write_identity,
 )
 from sandbox.limits import Limits
-from sandbox.presets import LaunchContext, build_launch, harness_limits
-from sandbox.process import run_contained
-from sandbox.verifier import verify
+from sandbox.presets import LaunchContext, build_launch, harness_limits, install_paths
+from sandbox.process import ProcessOutcome, run_contained
+from sandbox.relay import Relay, forwarded, inside_port, inside_url
+from sandbox.tamper import changed
+from sandbox.tasks import Task, protected_files
+from sandbox.verifier import VerifierResult, verify
+
+# Room in the verifier's area beyond the agent's whole disk (its copy) for what tests write.
+VERIFIER_DISK_MARGIN_MB = 256
+
+
+class _Sandbox:
+    """One sandbox's directories, uids and view; run() drives its phases."""
+
+    def __init__(self, backend: LocalBackend, request: SandboxRequest, root: str,
+                 parent: str) -> None:
+        self.backend, self.request, self.root = backend, request, root
+        self.confined = backend.isolation == "bwrap"
+        own = self.confined and confine.own_uids()
+        self.agent_uid = confine.new_uid() if own else os.geteuid()
+        self.verifier_uid = self.agent_uid
+        while own and self.verifier_uid == self.agent_uid:
+            self.verifier_uid = confine.new_uid()
+        self.own_uids = own
+        task = request.task
+        self.hidden = confine.hidden_kinds([*task.source_paths, *request.private_paths, parent])
+        self.path = sandbox_path()
+        self.warnings: list[str] = []
+        if self.confined and not own:
+            self.warnings.append("not root: every phase ran as the runner's own uid (separate "
+                                 "namespaces, shared file ownership)")
+
+    def read_only(self, extra: Sequence[str]) -> list[Bind]:
+        binds = confine.ro_binds([*runtime_paths(), *extra, *self.backend.read_only_paths])
+        secret = [*self.request.task.source_paths, *self.request.private_paths]
+        if clash := confine.exposed(binds, [os.path.realpath(p) for p in secret]):
+            source, hidden = clash[0]
+            raise ValueError(f"{source} would be visible to the agent, but it lies inside "
+                             f"{hidden}, which holds hidden tests or runner state")
+        return binds
+
+    def area(self, name: str, size_mb: int | None) -> SandboxDirs:
+        dirs, problem = make_area(self.root, name, size_mb)
+        if problem and size_mb is not None:
+            self.warnings.append(f"{name}: {problem}")
+        return dirs
+
+    async def phase(self, argv: list[str], dirs: SandboxDirs, uid: int, env: Mapping[str, str],
+                    limits: Limits, timeout_s: float, binds: Sequence[Bind], *,
+                    gateway_socket: str | None = None,
+                    pass_fds: Sequence[int] = ()) -> ProcessOutcome:
+        common = {"env": env, "limits": limits, "timeout_s": timeout_s,
+                  "use_cgroup": self.backend.use_cgroup, "pass_fds": pass_fds}
+        if not self.confined:
+            return await run_contained(argv, cwd=dirs.work, **common)
+        passwd, group = write_identity(self.root, uid)
+        view = View(
+            binds=(Bind(dirs.work, INSIDE_DIRS.work, True), Bind(dirs.home, INSIDE_DIRS.home, True),
+                   Bind(dirs.tmp, INSIDE_DIRS.tmp, True), Bind(passwd, "/etc/passwd"),
+                   Bind(group, "/etc/group"), *binds),
+            hidden=self.hidden,
+            gateway_socket=gateway_socket,
+        )
+        phase = Phase(view, uid, INSIDE_DIRS.work, tuple(argv))
+        return await run_contained(confine.command(phase), cwd=dirs.root, confined=True,
+                                   own_uid=self.own_uids, **common)
+
+    def give(self, dirs: SandboxDirs, uid: int) -> None:
+        if self.own_uids:
+            chown_tree(dirs.root, uid)
+
+    async def run(self) -> SandboxResult:
+        request, backend = self.request, self.backend
+        task, harness, access = request.task, request.harness, request.access
+        isolation: Isolation = "bwrap" if self.confined else "none"
+        agent_limits = harness_limits(harness)
+        inside = INSIDE_DIRS if self.confined else None
+
+        dirs = self.area("agent", agent_limits.disk_mb)
+        write_files(dirs.work, task.files)
+        env = base_env(inside or dirs, self.path)
+        setup = None
+        if task.setup:
+            self.give(dirs, self.agent_uid)
+            setup = await self.phase(["/bin/sh", "-c", task.setup], dirs, self.agent_uid, env,
+                                     backend.task_limits, task.timeouts.setup_s,
+                                     self.read_only([]))
+            if setup.status != "ok":
+                reward, detail = decide_reward("setup_failed", request.crash_reward, None)
+                return self.result("setup_failed", reward, detail, setup=setup)
+        openai_url, anthropic_url = access.openai_base_url, access.anthropic_base_url
+        if self.confined:
+            openai_url, anthropic_url = inside_url(openai_url), inside_url(anthropic_url)
+        launch = build_launch(harness, LaunchContext(
+            prompt=task.prompt, api_key=access.api_key, openai_base_url=openai_url,
+            anthropic_base_url=anthropic_url, workdir=(inside or dirs).work,
+            home=(inside or dirs).home))
+        write_files(dirs.home, launch.files)
+        self.give(dirs, self.agent_uid)
+        argv, relay, gateway_socket = launch.argv, None, None
+        if self.confined:
+            gateway_socket = backend.gateway_socket
+            if gateway_socket is None:
+                relay = await Relay.start(os.path.join(self.root, "gateway.sock"),
+                                          access.openai_base_url)
+                gateway_socket = relay.path
+            argv = forwarded(launch.argv, inside_port(access.openai_base_url))
+        try:
+            agent = await self.phase(argv, dirs, self.agent_uid, env | launch.env, agent_limits,
+                                     task.timeouts.agent_s,
+                                     self.read_only(install_paths(harness, self.path)),
+                                     gateway_socket=gateway_socket)
+        finally:
+            if relay is not None:
+                await relay.close()
+        status: SandboxStatus = agent.status
+        if touched := changed(task.protected, task.files, dirs.work):
+            return self.result("tampered", 0.0,
+                               f"agent changed protected paths: {', '.join(touched)}",
+                               agent=agent, setup=setup)
+        verifier = None
+        if needs_verifier(status, request.crash_reward):
+            verifier = await self.verify(task, dirs)
+            if verifier.tampered:
+                status = "tampered"
+        reward, detail = decide_reward(status, request.crash_reward, verifier)
+        return self.result(status, reward, detail, agent=agent, setup=setup, verifier=verifier,
+                           isolation=isolation)
+
+    async def verify(self, task: Task, agent_dirs: SandboxDirs) -> VerifierResult:
+        """The verifier over a copy of the agent's workdir, in its own area and uid."""
+        limits = self.backend.task_limits
+        size = None if limits.disk_mb is None else limits.disk_mb + VERIFIER_DISK_MARGIN_MB
+        dirs = self.area("verifier", size)
+        originals = protected_files(task)
+        binds: list[Bind] = []
+        if self.confined:
+            hidden = os.path.join(self.root, "hidden")
+            kept = os.path.join(self.root, "protected")
+            write_files(hidden, task.verifier.files)
+            write_files(kept, originals)
+            tops = sorted({PurePosixPath(n).parts[0] for n in task.verifier.files})
+            binds = [Bind(os.path.join(hidden, t), f"{INSIDE_DIRS.work}/{t}") for t in tops]
+            binds += [Bind(os.path.join(kept, p), f"{INSIDE_DIRS.work}/{p}")
+                      for p in task.protected if os.path.lexists(os.path.join(kept, p))]
+            copy_work(agent_dirs.work, dirs.work, {*tops, *task.protected})
+        else:
+            copy_work(agent_dirs.work, dirs.work, set(task.protected))
+            replace_files(dirs.work, task.verifier.files)
+            write_files(dirs.work, originals)
+        self.give(dirs, self.verifier_uid)
+        env = base_env(INSIDE_DIRS if self.confined else dirs, self.path)
+        read_only = [*self.read_only([]), *binds]
+
+        async def run(extra: Mapping[str, str], fds: Sequence[int]) -> ProcessOutcome:
+            return await self.phase(["/bin/sh", "-c", task.verifier.command], dirs,
+                                    self.verifier_uid, env | dict(extra), limits,
+                                    task.timeouts.verifier_s, read_only, pass_fds=fds)
+
+        return await verify(task.verifier.reward, run)
+
+    def result(self, status: SandboxStatus, reward: float | None, detail: str, *,
+               agent: ProcessOutcome | None = None, setup: ProcessOutcome | None = None,
+               verifier: VerifierResult | None = None,
+               isolation: Isolation | None = None) -> SandboxResult:
+        return SandboxResult(status, reward, detail, socket.gethostname(), agent, setup,
+                             verifier, isolation or ("bwrap" if self.confined else "none"),
+                             tuple(self.warnings))
 
 
 class LocalBackend:
@@ -49,94 +232,46 @@ class LocalBackend:
         task_limits: Limits | None = None,
         use_cgroup: bool = True,
         keep_dirs: bool = False,
-        mount_isolation: bool = True,
+        isolation: Isolation = "bwrap",
+        gateway_socket: str | None = None,
+        read_only_paths: Sequence[str] = (),
     ) -> None:
         """`root`: where sandbox directories are made (default: a directory of this user's in
-        the system temp dir); the agent sees none of it but its own sandbox. `task_limits`:
-        limits of the setup and verifier commands. `use_cgroup`: give every process tree its
-        own pids cgroup when the machine allows it. `keep_dirs`: leave the sandbox directories
-        for inspection. `mount_isolation`: run the agent in a private mount namespace that
-        hides the task set's files, the other sandboxes and the runner's private paths (where
-        the machine refuses it, the agent runs without, with a warning in the result)."""
+        the system temp dir); no phase sees any of it but its own area. `task_limits`: limits
+        of the setup and verifier commands. `use_cgroup`: give every phase a cgroup of its own
+        where the machine allows it. `keep_dirs`: leave the sandbox directories for inspection.
+        `isolation`: "bwrap" confines every phase (confine.py; raises ConfinementError naming
+        the package where bubblewrap is missing), "none" runs them unconfined.
+        `gateway_socket`: the gateway's own Unix socket (`rolltap gateway --unix-socket`),
+        bound into sandboxes instead of a relay to its TCP address. `read_only_paths`: more
+        host paths confined harnesses may read (a Node.js outside /usr, say)."""
+        if isolation not in ("bwrap", "none"):
+            raise ValueError(f"isolation must be bwrap or none, not {isolation!r}")
+        if isolation == "bwrap":
+            confine.tools()
         self.root = root
         self.task_limits = task_limits or Limits()
         self.use_cgroup = use_cgroup
         self.keep_dirs = keep_dirs
-        self.mount_isolation = mount_isolation
-
-    def _isolation(self) -> tuple[IsolationStatus, tuple[str, ...]]:
-        if not self.mount_isolation:
-            return "disabled", ()
-        if reason := unavailable_reason():
-            return "unavailable", (
-                f"mount isolation unavailable ({reason}): the agent ran without it and could "
-                "read the task set's hidden tests and other sandboxes",
-            )
-        return "mounts", ()
-
-    @staticmethod
-    def _mounts(request: SandboxRequest, dirs: SandboxDirs) -> tuple[MountOp, ...]:
-        hide = [*request.task.source_paths, *request.private_paths, os.path.dirname(dirs.root)]
-        return sandbox_mounts(hide, keep=dirs.root)
+        self.isolation: Isolation = isolation
+        self.gateway_socket = gateway_socket
+        self.read_only_paths = tuple(read_only_paths)
 
     async def run(self, request: SandboxRequest) -> SandboxResult:
-        task, harness, access = request.task, request.harness, request.access
-        host = socket.gethostname()
-        isolation, warnings = self._isolation()
-        dirs = make_dirs(sandbox_parent(self.root), task.id)
+        _check_urls(request)
+        parent = sandbox_parent(self.root)
+        root = make_root(parent, request.task.id)
         try:
-            write_files(dirs.work, task.files)
-            env = base_env(dirs, sandbox_path())
-            setup = None
-            if task.setup:
-                setup = await run_contained(
-                    ["/bin/sh", "-c", task.setup],
-                    cwd=dirs.work,
-                    env=env,
-                    limits=self.task_limits,
-                    timeout_s=task.timeouts.setup_s,
-                    use_cgroup=self.use_cgroup,
-                )
-                if setup.status != "ok":
-                    reward, detail = decide_reward("setup_failed", request.crash_reward, None)
-                    return SandboxResult("setup_failed", reward, detail, host, setup=setup,
-                                         isolation=isolation, warnings=warnings)
-            launch = build_launch(
-                harness,
-                LaunchContext(
-                    prompt=task.prompt,
-                    api_key=access.api_key,
-                    openai_base_url=access.openai_base_url,
-                    anthropic_base_url=access.anthropic_base_url,
-                    workdir=dirs.work,
-                    home=dirs.home,
-                ),
-            )
-            write_files(dirs.home, launch.files)
-            agent = await run_contained(
-                launch.argv,
-                cwd=dirs.work,
-                env=env | launch.env,
-                limits=harness_limits(harness),
-                timeout_s=task.timeouts.agent_s,
-                use_cgroup=self.use_cgroup,
-                mounts=self._mounts(request, dirs) if isolation == "mounts" else None,
-            )
-            status: SandboxStatus = agent.status
-            verifier = None
-            if needs_verifier(status, request.crash_reward):
-                vdirs = verifier_dirs(dirs)
-                verifier = await verify(
-                    task.verifier,
-                    vdirs,
-                    base_env(vdirs, sandbox_path()),
-                    self.task_limits,
-                    task.timeouts.verifier_s,
-                    self.use_cgroup,
-                )
-            reward, detail = decide_reward(status, request.crash_reward, verifier)
-            return SandboxResult(status, reward, detail, host, agent, setup, verifier,
-                                 isolation, warnings)
+            return await _Sandbox(self, request, root, parent).run()
         finally:
+            with contextlib.suppress(OSError):
+                release_areas(root, keep=self.keep_dirs)
             if not self.keep_dirs:
-                remove_dirs(dirs)
+                remove_tree(root)
+
+
+def _check_urls(request: SandboxRequest) -> None:
+    a, b = request.access.openai_base_url, request.access.anthropic_base_url
+    if urlsplit(a).netloc != urlsplit(b).netloc:
+        raise ValueError(f"the gateway's base URLs name different servers ({a}, {b})")
+
