@@ -19,12 +19,16 @@ that rollout's API key and the gateway's base URL, runs the task's hidden tests 
 harness has exited, and posts the reward (POST /admin/rollouts/ID/finish). The admin key never
 enters a sandbox.
 
-A sandbox is a fresh working directory with the task's files, its own HOME, an environment
-holding only what the harness needs, resource limits (CPU time, memory, processes, file size),
-its own session and process group (killed as a whole on timeout), and bounded output capture.
-The harness runs in a private mount namespace (needs root) in which the task file and its
-files_dir directories, every other sandbox, the --state file and raw disks are hidden; where
-the machine refuses that, it runs without and the rollout's metrics carry a warning.
+Every phase of a sandbox (setup, harness, verifier) is confined with bubblewrap (Debian package
+`bubblewrap`; `socat` too): its own uid (as root), user/PID/mount/IPC/UTS/network/cgroup
+namespaces, no capabilities, an empty filesystem with only the system directories, the
+interpreter and harness installs (read-only) and its own directories; the task set, other
+sandboxes and the --state file are not there. Its network reaches only the gateway (through a
+Unix socket, served inside on 127.0.0.1). Limits: cgroup memory, CPU and processes, rlimits,
+a tmpfs of bounded size, a wall-clock timeout. The verifier runs as another uid over a copy of
+the harness's workdir, with the hidden tests read-only, and reports through a pipe. A task's
+`protected` paths changed by the harness score 0 (`tampered`). --isolation none turns all of
+this off; the summary then says so.
 A harness that crashes or times out is recorded with that status; the run goes on.
 
 Ctrl-C (or SIGTERM) stops the run: sandboxes in flight are killed and their rollouts finished
@@ -113,6 +117,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lim.add_argument("--cpu-seconds", type=int, metavar="S", help="CPU time per process")
     lim.add_argument("--memory-mb", type=int, metavar="MB",
                      help="address space per process; 0 = unlimited (npm presets' default)")
+    lim.add_argument("--sandbox-memory-mb", type=int, metavar="MB",
+                     help="memory of a whole sandbox (cgroup, no swap; default 4096); 0 = none")
+    lim.add_argument("--cpus", type=float, metavar="N",
+                     help="CPUs a sandbox may use (cgroup; default 1); 0 = no limit")
+    lim.add_argument("--disk-mb", type=int, metavar="MB",
+                     help="size of a sandbox's writable directories (tmpfs; default 1024)")
     lim.add_argument("--max-procs", type=int, metavar="N", help="processes per sandbox")
     lim.add_argument("--file-size-mb", type=int, metavar="MB", help="largest file written")
     lim.add_argument("--output-kb", type=int, metavar="KB",
@@ -128,9 +138,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="do not delete sandbox directories (debugging)")
     sb.add_argument("--no-cgroup", action="store_true",
                     help="do not put sandboxes in their own pids cgroup")
-    sb.add_argument("--no-mount-isolation", action="store_true",
-                    help="run harnesses without the private mount namespace that hides the "
-                         "task set, the other sandboxes and the state file")
+    sb.add_argument("--isolation", choices=["bwrap", "none"], default="bwrap",
+                    help="bwrap (default): confine every phase with bubblewrap; none: run "
+                         "unconfined (agents can read the task set and reach the network)")
+    sb.add_argument("--gateway-socket", metavar="PATH",
+                    help="the gateway's Unix socket (rolltap gateway --unix-socket), bound "
+                         "into sandboxes; default: a relay to --gateway per sandbox")
+    sb.add_argument("--ro-path", action="append", default=[], metavar="PATH",
+                    help="host path confined harnesses may read, e.g. a Node.js outside /usr "
+                         "(repeatable)")
     sb.add_argument("--ray-address", metavar="ADDR",
                     help="Ray cluster to join (e.g. auto); default: start a local Ray")
     sb.add_argument("--ray-cpus-per-sandbox", type=float, default=1.0, metavar="N",
@@ -173,6 +189,12 @@ def _limits(base, args: argparse.Namespace):
         changes["file_size_mb"] = args.file_size_mb
     if args.output_kb is not None:
         changes["output_bytes"] = args.output_kb * 1024
+    if args.sandbox_memory_mb is not None:
+        changes["memory_mb"] = args.sandbox_memory_mb or None
+    if args.cpus is not None:
+        changes["cpus"] = args.cpus or None
+    if args.disk_mb is not None:
+        changes["disk_mb"] = args.disk_mb
     return msgspec.structs.replace(base, **changes)
 
 
@@ -181,7 +203,9 @@ def _backend(args: argparse.Namespace):
         "root": args.sandbox_root,
         "use_cgroup": not args.no_cgroup,
         "keep_dirs": args.keep_sandboxes,
-        "mount_isolation": not args.no_mount_isolation,
+        "isolation": args.isolation,
+        "gateway_socket": args.gateway_socket,
+        "read_only_paths": tuple(os.path.abspath(p) for p in args.ro_path),
     }
     if args.backend == "ray":
         from sandbox.backends.ray import RayBackend
@@ -212,7 +236,13 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
     import signal
 
     from sandbox.runner import run_rollouts
-    from sandbox.summary import error_line, format_table, progress_line, summarize
+    from sandbox.summary import (
+        error_line,
+        format_table,
+        isolation_line,
+        progress_line,
+        summarize,
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -251,6 +281,7 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
         errors[e.task_id] = errors.get(e.task_id, 0) + 1
     print()
     print(format_table(summarize(records, errors)))
+    print(isolation_line(records, args.isolation))
     if report.skipped:
         print(f"({report.skipped} rollouts were finished by an earlier run of this state file)")
     if report.interrupted:
@@ -285,7 +316,13 @@ def main(args: argparse.Namespace) -> int:
         tasks = [t for t in tasks if t.id in set(args.task_ids)]
     if args.backend == "local" and not _findable(harness):
         return 2
-    backend = _backend(args)
+    from sandbox.confine import ConfinementError
+
+    try:
+        backend = _backend(args)
+    except ConfinementError as exc:
+        print(f"rolltap rollouts: {exc}", file=sys.stderr)
+        return 2
     try:
         return asyncio.run(_run(args, tasks, harness, admin_key, backend))
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -122,6 +122,7 @@ def record_for(
         completion_tokens=completion,
         trained_tokens=trained,
         host=result.host,
+        isolation=result.isolation,
     )
 
 

@@ -28,7 +28,7 @@ class FinishedRollout(msgspec.Struct, frozen=True, tag="rollout"):
     rollout_id: str
     group_id: str
     status: str  # as posted to the gateway: finished, failed, timeout
-    sandbox_status: str  # ok, crashed, timeout, setup_failed
+    sandbox_status: str  # ok, crashed, timeout, setup_failed, tampered
     reward: float | None
     reward_detail: str
     duration_s: float
@@ -37,6 +37,7 @@ class FinishedRollout(msgspec.Struct, frozen=True, tag="rollout"):
     completion_tokens: int | None = None
     trained_tokens: int | None = None
     host: str | None = None
+    isolation: str | None = None  # bwrap, or none (the explicit opt-out)
 
     @property
     def key(self) -> Key:

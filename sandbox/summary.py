@@ -22,6 +22,7 @@ class TaskSummary(msgspec.Struct, frozen=True):
     calls: int
     trained_tokens: int
     errors: int = 0
+    tampered: int = 0  # finished with reward 0: protected paths changed or report forged
 
 
 def trained_tokens(stats: Mapping[str, Any] | None, completion_tokens: int | None) -> int | None:
@@ -53,6 +54,7 @@ def summarize(
             calls=sum(r.calls or 0 for r in rows),
             trained_tokens=sum(r.trained_tokens or 0 for r in rows),
             errors=errors.get(task_id, 0),
+            tampered=sum(r.sandbox_status == "tampered" for r in rows),
         ))
     return out
 
@@ -62,8 +64,8 @@ def _reward(x: float | None) -> str:
 
 
 def format_table(summaries: list[TaskSummary]) -> str:
-    header = ["task", "n", "finished", "failed", "timeout", "errors", "mean", "calls", "tokens",
-              "rewards"]
+    header = ["task", "n", "finished", "failed", "timeout", "tampered", "errors", "mean", "calls",
+              "tokens", "rewards"]
     rows = [header]
     for s in summaries:
         shown = " ".join(_reward(x) for x in s.rewards[:SHOWN_REWARDS])
@@ -71,7 +73,8 @@ def format_table(summaries: list[TaskSummary]) -> str:
             shown += f" ... (+{len(s.rewards) - SHOWN_REWARDS})"
         rows.append([
             s.task_id, str(s.rollouts), str(s.statuses.get("finished", 0)),
-            str(s.statuses.get("failed", 0)), str(s.statuses.get("timeout", 0)), str(s.errors),
+            str(s.statuses.get("failed", 0)), str(s.statuses.get("timeout", 0)),
+            str(s.tampered), str(s.errors),
             _reward(s.mean_reward), str(s.calls), str(s.trained_tokens), shown,
         ])
     total_rewards = [x for s in summaries for x in s.rewards if x is not None]
@@ -79,7 +82,7 @@ def format_table(summaries: list[TaskSummary]) -> str:
         "all", str(sum(s.rollouts for s in summaries)),
         *(str(sum(s.statuses.get(k, 0) for s in summaries))
           for k in ("finished", "failed", "timeout")),
-        str(sum(s.errors for s in summaries)),
+        str(sum(s.tampered for s in summaries)), str(sum(s.errors for s in summaries)),
         _reward(sum(total_rewards) / len(total_rewards) if total_rewards else None),
         str(sum(s.calls for s in summaries)), str(sum(s.trained_tokens for s in summaries)), "",
     ])
@@ -91,6 +94,15 @@ def format_table(summaries: list[TaskSummary]) -> str:
     ]
     rule = "-" * max(len(line) for line in lines)
     return "\n".join([lines[0], rule, *lines[1:-1], rule, lines[-1]])
+
+
+def isolation_line(records: Iterable[FinishedRollout], requested: str) -> str:
+    """How the sandboxes were confined, loudly when they were not."""
+    seen = {r.isolation for r in records if r.isolation is not None} or {requested}
+    if "none" in seen:
+        return ("isolation: NONE (--isolation none): agents ran unconfined and could read the "
+                "task set's hidden tests and reach the machine's network")
+    return "isolation: bwrap (own uids and namespaces; network: the gateway only)"
 
 
 def progress_line(record: FinishedRollout, done: int, total: int, running: int) -> str:

@@ -16,7 +16,7 @@ import pytest
 
 from sandbox.backends.base import RolloutAccess, SandboxRequest
 from sandbox.backends.local import LocalBackend
-from sandbox.cgroup import pids_parent
+from sandbox.cgroup import parents
 from sandbox.limits import Limits
 from sandbox.presets import Harness
 from sandbox.tasks import Task, Timeouts, Verifier
@@ -183,23 +183,23 @@ async def test_layout_and_environment(tmp_path, agents, monkeypatch):
                      command="true", reward="binary")
     result = await backend.run(SandboxRequest(task, py_agent(agents, "report", "tiny"), ACCESS))
     assert result.status == "ok", result.agent.stderr
-    sandbox = only_sandbox(root)
-    report = json.loads((sandbox / "work" / "report.json").read_text())
+    report = json.loads((only_sandbox(root) / "agent" / "work" / "report.json").read_text())
     env = report["env"]
 
-    assert report["cwd"] == str(sandbox / "work") == report["workdir"]
+    # Inside, the sandbox's own directories sit at fixed paths; its host paths are not shown.
+    assert report["cwd"] == "/sandbox/work" == report["workdir"]
     assert report["starting"] == "print('start')\n"
     assert {"work/src/start.py", "work/fizzbuzz.py"} <= set(report["files"])
     assert (report["prompt"], report["model"]) == ("Implement fizzbuzz.", "tiny")
-    assert (report["base_url"], report["api_key"]) == (ACCESS.openai_base_url, ACCESS.api_key)
-    allowed = {"PATH", "HOME", "LANG", "TMPDIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME",
+    # The gateway at its own loopback (port 9 is root's; the forwarder uses 8080 then).
+    assert (report["base_url"], report["api_key"]) == ("http://127.0.0.1:8080/v1", ACCESS.api_key)
+    allowed = {"PWD", "PATH", "HOME", "LANG", "TMPDIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME",
                "XDG_DATA_HOME", "XDG_STATE_HOME", "npm_config_registry",
                "npm_config_update_notifier", "DO_NOT_TRACK", "OPENAI_BASE_URL",
                "OPENAI_API_KEY", "ROLLTAP_BASE_URL", "ROLLTAP_API_KEY", "ROLLTAP_MODEL"}
     assert set(env) <= allowed, set(env) - allowed
-    assert env["HOME"] == str(sandbox / "home")
-    assert env["TMPDIR"].startswith(str(sandbox))
-    assert all(env[k].startswith(str(sandbox / "home")) for k in env if k.startswith("XDG_"))
+    assert (env["HOME"], env["TMPDIR"]) == ("/sandbox/home", "/tmp")
+    assert all(env[k].startswith("/sandbox/home/") for k in env if k.startswith("XDG_"))
     assert env["OPENAI_API_KEY"] == env["ROLLTAP_API_KEY"] == ACCESS.api_key
     assert env["npm_config_registry"].startswith("http://127.0.0.1:")
     blob = json.dumps(env)
@@ -356,7 +356,7 @@ async def test_setup_runs_first_and_its_failure_is_unscorable():
 
 
 def process_cap_available() -> bool:
-    return pids_parent() is not None or os.geteuid() != 0
+    return "pids" in parents() or os.geteuid() != 0
 
 
 @pytest.mark.skipif(not process_cap_available(),
@@ -412,14 +412,14 @@ async def test_file_size_limit(tmp_path):
     result = await LocalBackend(root=str(root), keep_dirs=True).run(
         SandboxRequest(make_task(command="true", reward="binary"), agent, ACCESS))
     assert result.status == "crashed"
-    assert (only_sandbox(root) / "work" / "big.bin").stat().st_size <= 1 << 20
+    assert (only_sandbox(root) / "agent" / "work" / "big.bin").stat().st_size <= 1 << 20
 
 
 async def test_missing_harness_binary_is_a_crash():
     agent = Harness(preset="opencode", model="m", executable="no-such-harness-binary")
     result = await LocalBackend().run(SandboxRequest(make_task(), agent, ACCESS))
     assert (result.status, result.agent.exit_code) == ("crashed", 127)
-    assert "cannot run" in result.agent.stderr
+    assert "no-such-harness-binary: not found" in result.agent.stderr
 
 
 def test_result_round_trips_as_msgpack():
