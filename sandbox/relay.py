@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tempfile
 from urllib.parse import urlsplit, urlunsplit
 
 from sandbox.confine import GATEWAY_SOCKET
@@ -85,8 +86,11 @@ class Relay:
         self._streams: set[asyncio.Task] = set()
 
     @classmethod
-    async def start(cls, path: str, url: str) -> Relay:
+    async def start(cls, url: str) -> Relay:
+        """A relay to `url`'s server, on a socket in a fresh private directory (a short path:
+        Unix socket paths are limited to 107 bytes)."""
         parts = urlsplit(url)
+        path = os.path.join(tempfile.mkdtemp(prefix="rolltap-gw-"), "gateway.sock")
         relay = cls(path, parts.hostname or "127.0.0.1", url_port(url))
         relay._server = await asyncio.start_unix_server(relay._serve, path)
         # The sandbox's uid is none of the runner's; connecting needs write permission.
@@ -118,3 +122,4 @@ class Relay:
         await asyncio.gather(*self._streams, return_exceptions=True)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+            os.rmdir(os.path.dirname(self.path))

@@ -1,7 +1,13 @@
-"""Filesystem isolation of sandboxed agents: the mount plan (pure, property-tested), and real
-agents in real sandboxes that try to read the task set's hidden tests where they lie on disk,
-other sandboxes, and the runner's state file, through the real gateway and Postgres, locally
-and on Ray; plus the fallback where the machine refuses a mount namespace."""
+"""Reward integrity: every sandbox phase confined by bubblewrap (confine.py).
+
+Pure planning of the bwrap command lines (property-tested), then real sandboxes against the real
+gateway, vLLM and Postgres: a hostile agent (tests/agents/hostile_agent.py) tries to read every
+process's environment, kill everything it sees, lift its limits, leave its cgroup, reach
+Postgres, vLLM and the gateway's admin API, read the task set and other sandboxes, leave a
+daemon behind, fill the disk and fork-bomb, while an honest sibling runs next to it; then its
+solution, imported by the verifier, tries the same. Plus protected paths, the explicit
+`--isolation none`, a machine without bwrap, and Ray.
+"""
 
 from __future__ import annotations
 
@@ -9,424 +15,443 @@ import asyncio
 import errno
 import json
 import os
-import posixpath
-import subprocess
-import sys
+import re
+import shutil
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sandbox import isolation
+from sandbox import confine
 from sandbox.backends.base import RolloutAccess, SandboxRequest
 from sandbox.backends.local import LocalBackend
-from sandbox.isolation import MountOp, block_devices, plan_mounts, unavailable_reason
+from sandbox.confine import Bind, ConfinementError, Phase, View, covers, exposed, inner_args
+from sandbox.limits import Limits
 from sandbox.presets import Harness
-from sandbox.runner import run_rollouts
-from sandbox.tasks import Task, load_tasks
-from tests.support.gateway import ADMIN_KEY, GatewayProcess
+from sandbox.tasks import Task, Timeouts, Verifier, load_tasks
+from tests.support.gateway import ADMIN_KEY
 
 REPO = Path(__file__).resolve().parents[1]
+AGENTS = REPO / "tests" / "agents"
 
-needs_isolation = pytest.mark.skipif(
-    unavailable_reason() is not None,
-    reason=f"mount isolation unavailable here: {unavailable_reason()}",
-)
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="own uids per phase need root")
 
-# ---- the mount plan -------------------------------------------------------------------------
+# ---- planning -------------------------------------------------------------------------------
 
-
-def deciding(path: str, entries: dict[str, str]) -> str | None:
-    """The action of the deepest entry at or above `path`."""
-    while True:
-        if path in entries:
-            return entries[path]
-        if path == "/":
-            return None
-        path = posixpath.dirname(path)
+names = st.lists(st.sampled_from("abc"), min_size=1, max_size=3).map(lambda p: "/".join(p))
 
 
-def visible(path: str, entries: dict[str, str]) -> bool:
-    return deciding(path, entries) in (None, "keep")
+@given(st.lists(names, min_size=1, max_size=4), st.lists(names, max_size=4))
+def test_hidden_paths_are_covered_wherever_a_bind_shows_them(sources, hidden):
+    binds = [Bind(f"/h/{src}", f"/in/{i}") for i, src in enumerate(sources)]
+    hidden_paths = {f"/h/{h}": True for h in hidden}
+    placed = [where for where, _ in covers(binds, hidden_paths)]
+    universe = {f"/h/{a}/{b}" for a in ("a", "b", "c", "a/b") for b in ("a", "c", "x")}
+    for b in binds:
+        if exposed([b], hidden_paths):
+            continue  # the bind itself lies in a hidden path (below)
+        for path in (p for p in universe if confine.is_under(p, b.source)):
+            inside_path = b.dest + path[len(b.source):]
+            secret = any(confine.is_under(path, h) for h in hidden_paths)
+            covered = any(confine.is_under(inside_path, w) for w in placed)
+            assert covered == secret, (path, inside_path, placed)
+    # A bind inside a hidden path cannot be covered: it is reported instead.
+    assert {(b.source, h) for b in binds for h in hidden_paths
+            if confine.is_under(b.source, h)} == set(exposed(binds, hidden_paths))
 
 
-def is_under(path: str, parent: str) -> bool:
-    return path != parent and path.startswith(parent.rstrip("/") + "/")
+def test_inner_command_line():
+    view = View(binds=(Bind("/host/sb/work", "/sandbox/work", True), Bind("/opt/py", "/opt/py")),
+                hidden={"/opt/py/secret": True, "/opt/py/key.txt": False},
+                gateway_socket="/host/sb/gw.sock")
+    args = inner_args(Phase(view, 2_000_000_001, "/sandbox/work", ("python", "-V")),
+                      system=["--ro-bind", "/usr", "/usr"], staged=None)
+    text = " ".join(args)
+    for flag in ("--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+                 "--new-session", "--uid 2000000001", "--gid 2000000001", "--proc /proc",
+                 "--dev /dev", "--bind /host/sb/work /sandbox/work", "--ro-bind /opt/py /opt/py",
+                 "--tmpfs /opt/py/secret --remount-ro /opt/py/secret",
+                 "--ro-bind /dev/null /opt/py/key.txt",
+                 f"--ro-bind /host/sb/gw.sock {confine.GATEWAY_SOCKET}",
+                 "--remount-ro / --chdir /sandbox/work -- python -V"):
+        assert flag in text, flag
+    # Covers come after the binds they cover; nothing shares the host's network.
+    assert text.index("--ro-bind /opt/py /opt/py") < text.index("--tmpfs /opt/py/secret")
+    assert "--share-net" not in args
 
 
-paths = st.lists(st.sampled_from("abc"), min_size=1, max_size=4).map(lambda p: "/" + "/".join(p))
-actions = st.dictionaries(paths, st.sampled_from(["empty", "null", "keep"]), max_size=10).map(
-    # A file (null) has nothing below it.
-    lambda d: {p: a for p, a in d.items()
-               if not any(is_under(p, q) for q, b in d.items() if b == "null")}
-)
+# ---- a task set on disk ---------------------------------------------------------------------
 
-
-@given(actions)
-def test_plan_hides_exactly_what_the_entries_say(entries):
-    ops = plan_mounts(entries)
-    applied = {op.path: op.action for op in ops}
-    universe = {p for e in entries for p in (e, e + "/x", posixpath.dirname(e))}
-    for path in universe:
-        assert visible(path, applied) == visible(path, entries), (path, ops)
-
-
-@given(actions)
-def test_plan_order_and_mount_points(entries):
-    ops = plan_mounts(entries)
-    done: dict[str, str] = {}
-    for op in ops:
-        # Nothing is mounted below a file, and a parent's mount comes first.
-        assert not any(is_under(op.path, p) for p, a in done.items() if a == "null")
-        assert not any(is_under(p, op.path) for p in done)
-        above = deciding(posixpath.dirname(op.path), done) if op.path != "/" else None
-        if op.action == "keep":
-            assert above == "empty", "a kept directory's mount point is made in a tmpfs"
-        else:
-            assert above != "empty", "no hide inside a hide"
-        done[op.path] = op.action
-
-
-def test_plan_example_sandbox_root():
-    ops = plan_mounts({"/tmp/sb": "empty", "/tmp/sb/mine": "keep", "/tmp/sb/mine/x": "empty",
-                       "/srv/tasks/t/hidden": "empty", "/srv/tasks/t": "empty",
-                       "/srv/tasks.jsonl": "null", "/elsewhere": "keep"})
-    assert ops == (MountOp("/srv/tasks.jsonl", "null"), MountOp("/tmp/sb", "empty"),
-                   MountOp("/srv/tasks/t", "empty"), MountOp("/tmp/sb/mine", "keep"),
-                   MountOp("/tmp/sb/mine/x", "empty"))
-
-
-@pytest.mark.parametrize("bad", ["relative/path", "/a/../b", "/a/", "/"])
-def test_plan_refuses_unusable_paths(bad):
-    with pytest.raises(ValueError):
-        plan_mounts({bad: "empty"})
-
-
-# ---- a task set on disk, and an agent that looks for it -------------------------------------
-
-SOLUTION = textwrap.dedent('''
-    def fizzbuzz(n):
-        return [("Fizz" if i % 3 == 0 else "") + ("Buzz" if i % 5 == 0 else "") or str(i)
-                for i in range(1, n + 1)]
-''')
-
-# Everything the agent can find out goes into report.json; the hidden tests fail if any secret
-# is in it, so the reward itself says whether the agent saw one.
-AGENT = '''
-import ctypes, json, os, pathlib, stat
-
-def _read(path):
-    try:
-        with open(path, "rb") as fh:
-            return {"ok": True, "data": fh.read(65536).decode("latin-1")}
-    except OSError as exc:
-        return {"ok": False, "error": exc.errno}
-
-def _list(path):
-    try:
-        return {"ok": True, "entries": sorted(os.listdir(path))}
-    except OSError as exc:
-        return {"ok": False, "error": exc.errno}
-
-def _walk(path):
-    return {os.path.join(d, f): _read(os.path.join(d, f))
-            for d, _, files in os.walk(path) for f in files}
-
-def _errno_of(result, libc):
-    return 0 if result == 0 else ctypes.get_errno()
-
-def probe(*, prompt, base_url, api_key, model, workdir):
-    t = json.loads(prompt)
-    libc = ctypes.CDLL(None, use_errno=True)
-    try:
-        fd = os.open("/proc/1/ns/mnt", os.O_RDONLY)
-        setns = _errno_of(libc.setns(fd, 0), libc)
-    except OSError as exc:
-        setns = exc.errno
-    devices = {}
-    for dev in t["block_devices"]:
-        try:
-            is_block = stat.S_ISBLK(os.stat(dev).st_mode)
-        except OSError:
-            is_block = False
-        devices[dev] = {"is_block": is_block, "read": _read(dev)}
-    report = {
-        "task_file": _read(t["task_file"]),
-        "task_dir": _list(t["task_dir"]),
-        "hidden_dirs": {d: _list(d) for d in t["hidden_dirs"]},
-        "hidden_walk": {d: _walk(d) for d in t["hidden_dirs"]},
-        "hidden_files": {f: _read(f) for f in t["hidden_files"]},
-        "sandbox_root": _list(t["sandbox_root"]),
-        "own_sandbox": os.path.basename(os.path.dirname(workdir)),
-        "other_sandbox_file": _read(t["other_sandbox_file"]),
-        "state_file": _read(t["state_file"]),
-        "via_proc_root": {str(pid): _read(f"/proc/{pid}/root{t['hidden_files'][0]}")
-                          for pid in (1, t["runner_pid"])},
-        "umount": {d: _errno_of(libc.umount2(d.encode(), 2), libc) for d in t["hidden_dirs"]},
-        "setns": setns,
-        "block_devices": devices,
-    }
-    pathlib.Path(workdir, "fizzbuzz.py").write_text(t["solution"])
-    pathlib.Path(workdir, "report.json").write_text(json.dumps(report))
-'''
-
-LEAK_CHECK = '''
-import json, pathlib
-
-SECRETS = {secrets!r}
-
-def test_agent_saw_no_secret():
-    report = pathlib.Path("report.json").read_text()
-    assert [s for s in SECRETS if s in report] == []
-'''
-
-SOLUTION_TESTS = '''
-# {marker}
+FIZZBUZZ_TESTS = '''
 from fizzbuzz import fizzbuzz
 
+def test_one():
+    assert fizzbuzz(1) == ["1"]
+
+def test_fizz():
+    assert fizzbuzz(3)[-1] == "Fizz"
+
+def test_buzz():
+    assert fizzbuzz(5)[-1] == "Buzz"
+
 def test_fizzbuzz():
-    assert fizzbuzz(15)[-3:] == ["13", "14", "FizzBuzz"]
+    assert fizzbuzz(15)[-1] == "FizzBuzz"
 '''
+
+# The hostile solution records what it could do when imported; every attempt must have failed.
+ATTEMPT_TESTS = '''
+import os
+import fizzbuzz
+
+def test_nothing_read():
+    assert all(isinstance(v, int) for v in fizzbuzz.ATTEMPTS["read"].values()), \\
+        fizzbuzz.ATTEMPTS["read"]
+
+def test_no_network():
+    assert all(isinstance(v, int) for v in fizzbuzz.ATTEMPTS["connect"].values())
+    assert isinstance(fizzbuzz.ATTEMPTS["gateway_socket"], int)
+
+def test_no_report_path():
+    assert fizzbuzz.ATTEMPTS["report_fd_in_env"] is False
+    assert "junit" not in fizzbuzz.ATTEMPTS["pytest_addopts"]
+    print(f"VERIFIER-UID={fizzbuzz.ATTEMPTS['uid']}")
+'''
+
+VERIFY = "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -I -m pytest -q -s -p no:cacheprovider"
 
 
 @dataclass
 class TaskSet:
     task_file: Path
-    hidden_files: list[str]
     secrets: list[str]
+    targets: list[str]
     sandboxes: Path
     state_file: Path
-    agents: Path
 
-    def tasks(self) -> list[Task]:
-        return load_tasks(self.task_file)
-
-    def harness(self) -> Harness:
-        return Harness(preset="python", model="m", agent="isolation_agents:probe",
-                       pythonpath=(str(self.agents),))
+    def tasks(self) -> dict[str, Task]:
+        return {t.id: t for t in load_tasks(self.task_file)}
 
 
 @pytest.fixture
 def task_set(tmp_path: Path) -> TaskSet:
-    """Two tasks whose hidden tests lie next to the task file, a finished sandbox left on disk
-    with its hidden tests copied in, a runner state file, and the probing agent."""
+    """Two tasks whose hidden tests lie next to the task file, a finished sandbox left on disk,
+    and a runner state file; each holds a secret string."""
     tag = os.urandom(6).hex()
     secrets = [f"HIDDEN-{tag}", f"SIBLING-TASK-{tag}", f"TASK-FILE-{tag}",
-               f"OTHER-SANDBOX-{tag}", f"STATE-{tag}"]
+               f"OTHER-SANDBOX-{tag}", f"STATE-{tag}", ADMIN_KEY]
     base = tmp_path / "tasks"
-    for task_id, marker in (("fizz", secrets[0]), ("sibling", secrets[1])):
+    for task_id, marker in (("hostile", secrets[0]), ("honest", secrets[1])):
         (base / task_id / "start").mkdir(parents=True)
         (base / task_id / "start" / "fizzbuzz.py").write_text("# todo\n")
         hidden = base / task_id / "hidden"
         (hidden / "tests_hidden").mkdir(parents=True)
-        (hidden / "tests_hidden" / "test_solution.py").write_text(
-            SOLUTION_TESTS.format(marker=marker))
-        (hidden / "tests_hidden" / "test_leak.py").write_text(LEAK_CHECK.format(secrets=secrets))
+        (hidden / "tests_hidden" / "test_solution.py").write_text(f"# {marker}\n"
+                                                                  + FIZZBUZZ_TESTS)
+        if task_id == "hostile":
+            (hidden / "tests_hidden" / "test_attempts.py").write_text(ATTEMPT_TESTS)
         (hidden / "pytest.ini").write_text("[pytest]\npythonpath = .\ntestpaths = tests_hidden\n")
         (hidden / "conftest.py").write_text("")
     sandboxes = tmp_path / "sandboxes"
-    other = sandboxes / "rolltap-fizz-finished" / "work" / "tests_hidden"
+    other = sandboxes / "rolltap-hostile-finished" / "agent" / "work"
     other.mkdir(parents=True)
-    (other / "test_solution.py").write_text(f"# {secrets[3]}\n")
+    (other / "notes.txt").write_text(secrets[3])
     state_file = tmp_path / "state.jsonl"
-    # A run header, as the runner writes it; its run id is the secret.
     state_file.write_text(json.dumps({"type": "run", "run_id": secrets[4], "created": 0.0}) + "\n")
-    hidden_files = [str(base / t / "hidden" / "tests_hidden" / "test_solution.py")
-                    for t in ("fizz", "sibling")]
-    probe = {
-        "task_file": str(base / "tasks.jsonl"),
-        "task_dir": str(base / "fizz"),
-        "hidden_dirs": [str(base / t / "hidden") for t in ("fizz", "sibling")],
-        "hidden_files": hidden_files,
-        "sandbox_root": str(sandboxes),
-        "other_sandbox_file": str(other / "test_solution.py"),
-        "state_file": str(state_file),
-        "runner_pid": os.getpid(),
-        "block_devices": block_devices(),
-        "solution": SOLUTION,
-    }
-    lines = [{"id": task_id, "prompt": json.dumps(probe), "files_dir": f"{task_id}/start",
+    lines = [{"id": task_id, "prompt": "see the agent", "files_dir": f"{task_id}/start",
               "verifier": {"files_dir": f"{task_id}/hidden", "reward": "pytest",
-                           "command": "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -I -m pytest "
-                                      "-q -p no:cacheprovider"},
+                           "command": VERIFY},
               "timeouts": {"agent_s": 120, "verifier_s": 60},
               "metadata": {"secret": secrets[2]}}
-             for task_id in ("fizz", "sibling")]
+             for task_id in ("hostile", "honest")]
     task_file = base / "tasks.jsonl"
     task_file.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    agents = tmp_path / "agents"
-    agents.mkdir()
-    (agents / "isolation_agents.py").write_text(AGENT)
-    return TaskSet(task_file, hidden_files, secrets, sandboxes, state_file, agents)
+    targets = [str(task_file), str(base / "honest" / "hidden" / "tests_hidden" /
+                                   "test_solution.py"),
+               str(base / "hostile" / "hidden" / "tests_hidden" / "test_solution.py"),
+               str(other / "notes.txt"), str(state_file), str(sandboxes),
+               "/proc/1/root/etc/hostname", "/etc/shadow"]
+    return TaskSet(task_file, secrets, targets, sandboxes, state_file)
 
 
-def assert_saw_nothing(report: dict, ts: TaskSet) -> None:
-    blob = json.dumps(report)
-    assert [s for s in ts.secrets if s in blob] == []
-    # Files are covered by /dev/null: they read as empty.
-    assert report["task_file"] == report["state_file"] == {"ok": True, "data": ""}
-    # Names stay visible (the task's directory is not itself a source), contents do not.
-    assert report["task_dir"] == {"ok": True, "entries": ["hidden", "start"]}
-    assert all(v == {"ok": True, "entries": []} for v in report["hidden_dirs"].values())
-    assert all(v == {} for v in report["hidden_walk"].values())
-    assert all(v == {"ok": False, "error": errno.ENOENT} for v in report["hidden_files"].values())
-    # Of all sandboxes only its own: not the finished one, not its sibling running right now.
-    assert report["sandbox_root"] == {"ok": True, "entries": [report["own_sandbox"]]}
-    assert report["other_sandbox_file"] == {"ok": False, "error": errno.ENOENT}
-    # Around the mounts: other processes' view of the filesystem, unmounting, another namespace.
-    assert all(v == {"ok": False, "error": errno.EACCES} for v in report["via_proc_root"].values())
-    assert set(report["umount"].values()) == {errno.EPERM}
-    assert report["setns"] in (errno.EPERM, errno.EACCES)
-    for dev, seen in report["block_devices"].items():
-        assert not seen["is_block"] and seen["read"] == {"ok": True, "data": ""}, dev
+def access_for(rollout: dict) -> RolloutAccess:
+    return RolloutAccess(rollout["rollout_id"], rollout["api_key"], rollout["openai_base_url"],
+                         rollout["anthropic_base_url"])
 
 
-def test_loading_records_where_the_task_set_lies(task_set):
-    base = task_set.task_file.parent
-    expected = sorted(str(p) for p in [task_set.task_file, *(
-        base / t / d for t in ("fizz", "sibling") for d in ("start", "hidden"))])
-    assert all(t.source_paths == tuple(expected) for t in task_set.tasks())
+def alive_with(marker: str) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry.name}/cmdline").read_bytes()
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+            except OSError:
+                continue
+            if marker.encode() in cmdline and stat[stat.rindex(")") + 2] != "Z":
+                found.append(int(entry.name))
+    return found
 
 
-def reports(root: Path) -> list[dict]:
-    return [json.loads((d / "work" / "report.json").read_text())
-            for d in sorted(root.iterdir()) if (d / "work" / "report.json").exists()]
+HONEST_AGENT = '''
+import pathlib, time
+
+def run(*, prompt, base_url, api_key, model, workdir):
+    time.sleep(4)  # alive while its hostile sibling kills what it can see
+    pathlib.Path(workdir, "fizzbuzz.py").write_text(
+        "def fizzbuzz(n):\\n"
+        "    return [('Fizz' * (i % 3 == 0) + 'Buzz' * (i % 5 == 0)) or str(i)"
+        " for i in range(1, n + 1)]\\n")
+'''
 
 
-# ---- real gateway, real runner --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def bare_gateway(database_url, tmp_path_factory):
-    """The real gateway on the real Postgres; its upstream is an address where nothing
-    listens, since these agents never call the model."""
-    gw = GatewayProcess(["http://127.0.0.1:9"], database_url,
-                        log_path=tmp_path_factory.mktemp("gateway") / "gateway.log")
-    gw.start()
-    yield gw
-    gw.stop()
-
-
-@needs_isolation
-async def test_agents_cannot_see_task_set_other_sandboxes_or_state(task_set, bare_gateway):
+@needs_root
+async def test_hostile_agent_and_solution_change_nothing(task_set, gateway, vllm_server,
+                                                         tmp_path):
     ts = task_set
-    backend = LocalBackend(root=str(ts.sandboxes), keep_dirs=True)
-    report = await run_rollouts(
-        ts.tasks()[:1], ts.harness(), gateway=bare_gateway.url, admin_key=ADMIN_KEY,
-        group_size=2, concurrency=2, backend=backend, state_path=str(ts.state_file))
-    assert report.errors == [] and len(report.finished) == 2
-    for rec in report.finished:
-        # The verifier saw its hidden tests (both ran) and the agent no secret (the leak test).
-        state = bare_gateway.admin.get(f"/admin/rollouts/{rec.rollout_id}").json()
-        assert state["metrics"]["isolation"] == "mounts"
-        assert (state["metrics"]["tests_passed"], state["metrics"]["tests_total"]) == (2, 2)
-        assert rec.reward == state["reward"] == 1.0, state["metrics"]
-    seen = reports(ts.sandboxes)
-    assert len(seen) == 2
-    for agent_report in seen:
-        assert_saw_nothing(agent_report, ts)
-    # The runner wrote the state file while agents could not read it.
-    assert ts.secrets[4] in ts.state_file.read_text() and len(ts.state_file.read_text()) > 100
+    tasks = ts.tasks()
+    hostile_rollout = gateway.new_rollout(task_id="hostile")
+    honest_rollout = gateway.new_rollout(task_id="honest")
+    ts.secrets.append(honest_rollout["api_key"])
+    marker = f"rolltap-hostile-daemon-{os.urandom(4).hex()}"
+    vllm_port = int(vllm_server.url.rsplit(":", 1)[1])
+    prompt = {"targets": ts.targets, "secrets": ts.secrets, "vllm": vllm_server.url,
+              "ports": [5432, vllm_port], "marker": marker, "fill_mb": 256,
+              "rollout": hostile_rollout["rollout_id"], "model": vllm_server.model}
+    hostile = msgspec.structs.replace(tasks["hostile"], prompt=json.dumps(prompt))
+    limits = Limits(max_procs=64, disk_mb=64, cpu_s=120)
+    hostile_harness = Harness(preset="python", model=vllm_server.model,
+                              agent="hostile_agent:run", pythonpath=(str(AGENTS),),
+                              limits=limits)
+    honest_dir = tmp_path / "honest_agent"
+    honest_dir.mkdir()
+    (honest_dir / "honest_agent.py").write_text(HONEST_AGENT)
+    honest_harness = Harness(preset="python", model="m", agent="honest_agent:run",
+                             pythonpath=(str(honest_dir),))
+    backend = LocalBackend(root=str(ts.sandboxes))
+    bad, good = await asyncio.gather(
+        backend.run(SandboxRequest(hostile, hostile_harness, access_for(hostile_rollout),
+                                   private_paths=(str(ts.state_file),))),
+        backend.run(SandboxRequest(tasks["honest"], honest_harness,
+                                   access_for(honest_rollout),
+                                   private_paths=(str(ts.state_file),))))
+
+    # The honest sibling is untouched by its neighbour.
+    assert (good.status, good.reward, good.isolation) == ("ok", 1.0, "bwrap"), good.agent.stderr
+    assert bad.status == "ok", bad.agent.stderr[-3000:]
+    report = json.loads(bad.agent.stdout.strip().splitlines()[-1])
+
+    # Its own uid, none of the machine's; only its own PID namespace, and no secret in it.
+    assert report["uid"] >= confine.UID_BASE
+    assert max(report["proc"]["pids"]) < 64 and report["proc"]["leaked"] == {}
+    # Kill everything it sees: only its own processes (PID 1 of its namespace ignores it).
+    assert set(report["kill"]) <= set(report["proc"]["pids"]) | set(range(64))
+    # No file of the task set, other sandboxes, the state file, other processes' roots.
+    assert all(isinstance(v, int) for v in report["reads"].values()), report["reads"]
+    assert json.dumps(report).count("HIDDEN-") == 0
+    assert all(v in (errno.ENOENT, errno.EACCES) for v in report["listing"].values())
+    # Limits: no hard limit raised, no cgroup to write to.
+    assert all(v != 0 for v in report["limits"].values()), report["limits"]
+    assert all(v in (errno.ENOENT, errno.EROFS, errno.EACCES)
+               for v in report["cgroup"].values()), report["cgroup"]
+    # Network: Postgres, vLLM (and its /pause), the outside world: nothing. The gateway: its
+    # model route with the key, never its admin routes.
+    net = report["network"]
+    assert net["tcp_5432"] == net[f"tcp_{vllm_port}"] == errno.ECONNREFUSED, net
+    assert net["vllm_pause"] == errno.ECONNREFUSED
+    assert net["outside"] in (errno.ENETUNREACH, errno.EHOSTUNREACH), net
+    assert " 200 " in net["own_model_call"], net
+    for name in ("admin_create", "admin_policy", "admin_finish", "admin_list"):
+        assert re.search(r" 40[13] ", net[name]), (name, net[name])
+    assert httpx.get(f"{vllm_server.url}/is_paused", timeout=10).json()["is_paused"] is False
+    # Disk and processes: bounded, and the machine is fine afterwards.
+    assert report["fill"]["error"] == errno.ENOSPC and report["fill"]["written_mb"] <= 64
+    assert report["fork_bomb"]["refused"] > 0 and report["fork_bomb"]["forks"] < 64
+    # The daemon it left died with its namespace before the verifier's copy was made.
+    assert alive_with(marker) == []
+
+    # The verifier: another uid, over a copy; the hostile solution read nothing, reached
+    # nothing, found no report to rewrite; the reward is what the honest tests give.
+    verifier_uid = int(re.search(r"VERIFIER-UID=(\d+)", bad.verifier.output).group(1))
+    assert verifier_uid >= confine.UID_BASE and verifier_uid != report["uid"]
+    assert (bad.verifier.passed, bad.verifier.total) == (7, 7), bad.verifier.output
+    assert bad.reward == 1.0 and not bad.verifier.tampered
+    # The runner's sandbox directories are gone and nothing is left mounted.
+    assert [p.name for p in ts.sandboxes.iterdir()] == ["rolltap-hostile-finished"]
+    assert str(ts.sandboxes) not in Path("/proc/self/mountinfo").read_text()
+    # The gateway took no reward from inside: both rollouts are still running, with no reward.
+    for rollout in (hostile_rollout, honest_rollout):
+        state = gateway.admin.get(f"/admin/rollouts/{rollout['rollout_id']}").json()
+        assert (state["status"], state["reward"]) == ("running", None)
 
 
-# ---- without isolation ----------------------------------------------------------------------
+# ---- protected paths ------------------------------------------------------------------------
 
+PROTECTED_TASK = Task(
+    id="protected",
+    prompt="make the tests pass",
+    files={"calc.py": b"def add(a, b):\n    return 0\n",
+           "tests/test_calc.py": b"from calc import add\n\ndef test_add():\n"
+                                 b"    assert add(2, 2) == 4\n",
+           "tests/test_later.py": b"from calc import add\n\ndef test_later():\n"
+                                  b"    assert add(1, 1) == 2\n",
+           "conftest.py": b""},
+    verifier=Verifier("PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -I -m pytest -q "
+                      "-p no:cacheprovider tests", "pytest", {}),
+    timeouts=Timeouts(agent_s=60, verifier_s=60),
+    protected=("tests", "conftest.py"),
+)
 ACCESS = RolloutAccess("r-iso", "rk-iso", "http://127.0.0.1:9/v1", "http://127.0.0.1:9")
 
 
-@pytest.fixture
-def fresh_probe():
-    """Forget the per-process answer of the isolation probe before and after the test."""
-    unavailable_reason.cache_clear()
-    yield
-    unavailable_reason.cache_clear()
+def writer(script: str) -> Harness:
+    return Harness(preset="command", model="m",
+                   command=f"python -c {json.dumps(textwrap.dedent(script))}")
 
 
-def test_fault_unshare_refused_falls_back_with_warning(task_set, fresh_probe, monkeypatch):
-    """FAULT: unshare(2) is made to fail with EPERM, as it does for a non-root user or under a
-    seccomp profile. The agent still runs, unprotected, and the result says so."""
-
-    def refuse(flags: int) -> None:
-        raise OSError(errno.EPERM, os.strerror(errno.EPERM), "unshare")
-
-    monkeypatch.setattr(isolation, "unshare", refuse)
-    ts = task_set
-    backend = LocalBackend(root=str(ts.sandboxes), keep_dirs=True)
-    request = SandboxRequest(ts.tasks()[0], ts.harness(), ACCESS,
-                             private_paths=(str(ts.state_file),))
-    result = asyncio.run(backend.run(request))
-    assert result.status == "ok", result.agent.stderr
-    assert result.isolation == "unavailable"
-    (warning,) = result.metrics()["warnings"]
-    assert "unshare" in warning and "Operation not permitted" in warning
-    assert result.metrics()["isolation"] == "unavailable"
-    # What the warning says is true: the agent read the hidden tests, and the leak test failed.
-    (seen,) = reports(ts.sandboxes)
-    assert ts.secrets[0] in json.dumps(seen["hidden_files"])
-    assert (result.verifier.passed, result.verifier.total) == (1, 2)
+@pytest.mark.parametrize(("script", "status", "reward"), [
+    ("open('calc.py', 'w').write('def add(a, b):\\n    return a + b\\n')", "ok", 1.0),
+    ("open('tests/test_calc.py', 'w').write('def test_add():\\n    pass\\n')", "tampered", 0.0),
+    ("open('conftest.py', 'w').write('import pytest\\n')", "tampered", 0.0),
+    ("open('tests/conftest.py', 'w').write('')", "tampered", 0.0),
+    ("import os; os.remove('tests/test_calc.py')", "tampered", 0.0),
+])
+async def test_protected_paths(script, status, reward):
+    result = await LocalBackend().run(SandboxRequest(PROTECTED_TASK, writer(script), ACCESS))
+    assert (result.status, result.reward) == (status, reward), (result.reward_detail,
+                                                                result.agent.stderr)
+    if status == "tampered":
+        assert "protected" in result.reward_detail and result.verifier is None
+        assert result.gateway_status == "finished"
 
 
-async def test_disabled_by_flag(task_set):
-    ts = task_set
-    backend = LocalBackend(root=str(ts.sandboxes), keep_dirs=True, mount_isolation=False)
-    result = await backend.run(SandboxRequest(ts.tasks()[0], ts.harness(), ACCESS))
-    assert (result.status, result.isolation, result.warnings) == ("ok", "disabled", ())
-    assert "warnings" not in result.metrics()
-    (seen,) = reports(ts.sandboxes)
-    assert len(seen["sandbox_root"]["entries"]) == 2  # the finished sandbox is in plain view
+async def test_solution_cannot_rewrite_protected_tests_in_the_verifier():
+    """The protected tests reach the verifier read-only: the solution, imported by the first
+    test file, cannot turn the next one into a pass."""
+    solution = textwrap.dedent('''
+        import pathlib
+        try:
+            pathlib.Path("tests/test_later.py").write_text("def test_later():\\n    pass\\n")
+        except OSError:
+            pass
+        def add(a, b):
+            return 0
+    ''')
+    result = await LocalBackend().run(SandboxRequest(
+        PROTECTED_TASK, writer(f"open('calc.py', 'w').write({solution!r})"), ACCESS))
+    assert (result.status, result.verifier.total) == ("ok", 2), result.verifier.output
+    assert result.reward == 0.0, result.verifier.output
 
 
-def test_cli_flag_turns_it_off():
+# ---- opting out, and machines without bwrap -------------------------------------------------
+
+
+async def test_isolation_none_is_explicit_and_shown():
+    result = await LocalBackend(isolation="none").run(SandboxRequest(
+        PROTECTED_TASK, writer("import os; open('calc.py', 'w').write("
+                               "'def add(a, b):\\n    return a + b\\n'); print(os.getuid())"),
+        ACCESS))
+    assert (result.isolation, result.reward) == ("none", 1.0)
+    assert result.metrics()["isolation"] == "none"
+    assert result.agent.stdout.strip() == str(os.geteuid())
+
+
+def test_summary_says_when_sandboxes_were_not_confined():
+    from sandbox.state import FinishedRollout
+    from sandbox.summary import isolation_line
+
+    record = FinishedRollout("t", 0, 0, "r", "g", "finished", "ok", 1.0, "", 1.0,
+                             isolation="none")
+    assert "NONE" in isolation_line([record], "bwrap")
+    confined = msgspec.structs.replace(record, isolation="bwrap")
+    assert isolation_line([confined], "bwrap").startswith("isolation: bwrap")
+
+
+def test_missing_bwrap_names_the_package(tmp_path, monkeypatch):
+    """FAULT: PATH without bwrap, as on a machine where bubblewrap is not installed."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    confine.tools.cache_clear()
+    try:
+        with pytest.raises(ConfinementError, match="bubblewrap"):
+            LocalBackend()
+        LocalBackend(isolation="none")  # the explicit opt-out still works
+    finally:
+        confine.tools.cache_clear()
+
+
+def test_missing_bwrap_cli_error(tmp_path, monkeypatch, capsys):
     from sandbox import cli
 
-    args = cli.argparse.ArgumentParser()
-    cli.register(args.add_subparsers())
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "t", "prompt": "p", "verifier": {"command": "true"}})
+                     + "\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    os.symlink(shutil.which("true"), bin_dir / "true")
+    monkeypatch.setenv("PATH", str(bin_dir))
+    confine.tools.cache_clear()
+    try:
+        code = cli.run_cli([str(tasks), "--harness", "command", "--command", "true",
+                            "--group-size", "1", "--gateway", "http://127.0.0.1:9",
+                            "--admin-key", "k"])
+    finally:
+        confine.tools.cache_clear()
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "bubblewrap" in err and "--isolation none" in err
+
+
+def test_cli_flags():
+    from sandbox import cli
+
+    parser = cli.argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
     common = ["rollouts", "t.jsonl", "--harness", "command", "--group-size", "1",
               "--gateway", "http://127.0.0.1:9"]
-    assert cli._backend(args.parse_args(common)).mount_isolation is True
-    off = args.parse_args([*common, "--no-mount-isolation"])
-    assert cli._backend(off).mount_isolation is False
+    assert cli._backend(parser.parse_args(common)).isolation == "bwrap"
+    off = cli._backend(parser.parse_args([*common, "--isolation", "none", "--ro-path", "/opt",
+                                          "--gateway-socket", "/run/gw.sock"]))
+    assert (off.isolation, off.read_only_paths, off.gateway_socket) == (
+        "none", ("/opt",), "/run/gw.sock")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the probe as another user")
-def test_probe_refused_for_non_root_user():
-    """The real non-root case: the probe run as `nobody` reports why it cannot isolate."""
-    # Imports first, then the switch to nobody: this interpreter lies under root's home.
-    code = ("import os\n"
-            "from sandbox.isolation import unavailable_reason\n"
-            "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
-            "print(unavailable_reason())\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "unshare" in proc.stdout and "Operation not permitted" in proc.stdout, proc.stdout
+def test_read_only_path_inside_the_task_set_is_refused(task_set):
+    ts = task_set
+    task = ts.tasks()["honest"]
+    harness = Harness(preset="python", model="m", agent="x:run",
+                      pythonpath=(str(ts.task_file.parent / "honest" / "hidden"),))
+    with pytest.raises(ValueError, match="hidden tests"):
+        asyncio.run(LocalBackend(root=str(ts.sandboxes)).run(
+            SandboxRequest(task, harness, ACCESS)))
 
 
 # ---- Ray: the same code path on the node ----------------------------------------------------
 
 
-@needs_isolation
-async def test_ray_sandbox_is_isolated_too(task_set):
+async def test_ray_sandbox_is_confined_too(task_set):
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         pytest.skip("another test initialised Ray with other settings")
     from sandbox.backends.ray import RayBackend
 
     ts = task_set
-    backend = RayBackend(num_cpus=1, root=str(ts.sandboxes), keep_dirs=True,
+    task = ts.tasks()["honest"]
+    probe = ("import json, os; print(json.dumps({'uid': os.getuid(), 'pids': "
+             "[p for p in os.listdir('/proc') if p.isdigit()], 'task_file': "
+             f"os.path.exists({str(ts.task_file)!r})}}))")
+    backend = RayBackend(num_cpus=1, root=str(ts.sandboxes),
                          init_options={"num_cpus": 1, "include_dashboard": False,
                                        "log_to_driver": False})
     try:
-        result = await backend.run(SandboxRequest(ts.tasks()[0], ts.harness(), ACCESS,
-                                                  private_paths=(str(ts.state_file),)))
+        result = await backend.run(SandboxRequest(task, writer(probe), ACCESS))
     finally:
         backend.close()
-    assert (result.status, result.isolation, result.reward) == ("ok", "mounts", 1.0), (
-        result.agent.stderr, result.verifier and result.verifier.output)
-    (seen,) = reports(ts.sandboxes)
-    # The runner here is the Ray driver: its pid is not the worker's, but it is not readable
-    # either way; everything else as locally.
-    assert_saw_nothing(seen, ts)
+    assert (result.status, result.isolation) == ("ok", "bwrap"), result.agent.stderr
+    seen = json.loads(result.agent.stdout)
+    assert seen["task_file"] is False and len(seen["pids"]) < 8
+    assert (seen["uid"] >= confine.UID_BASE) == (os.geteuid() == 0)
+

@@ -157,8 +157,7 @@ class _Sandbox:
         if self.confined:
             gateway_socket = backend.gateway_socket
             if gateway_socket is None:
-                relay = await Relay.start(os.path.join(self.root, "gateway.sock"),
-                                          access.openai_base_url)
+                relay = await Relay.start(access.openai_base_url)
                 gateway_socket = relay.path
             argv = forwarded(launch.argv, inside_port(access.openai_base_url))
         try:
