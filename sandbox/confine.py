@@ -229,14 +229,24 @@ def hidden_kinds(paths: Iterable[str]) -> dict[str, bool]:
 
 
 def ro_binds(paths: Iterable[str]) -> list[Bind]:
-    """Read-only binds of existing host paths at the same place inside; a path inside another
-    one of them is left out (already visible)."""
-    real = sorted({os.path.realpath(p) for p in paths if os.path.exists(p)})
-    kept: list[str] = []
-    for path in real:
-        if not any(is_under(path, k) for k in kept) and not _system(path):
-            kept.append(path)
-    return [Bind(p, p) for p in kept]
+    """Read-only binds of existing host paths, each at its own path and, where a link leads
+    there, at the path it resolves to as well (node resolves its modules by real path). A
+    path already visible through another of them is left out; so are system paths."""
+    wanted: dict[str, str] = {}
+    for path in paths:
+        if os.path.exists(path):
+            real = os.path.realpath(path)
+            for dest in (os.path.abspath(path), real):
+                wanted.setdefault(dest, real)
+    kept: list[Bind] = []
+    for dest in sorted(wanted):
+        source = wanted[dest]
+        if _system(dest) or any(
+                is_under(dest, b.dest) and source == b.source + dest[len(b.dest):]
+                for b in kept):
+            continue
+        kept.append(Bind(source, dest))
+    return kept
 
 
 def _system(path: str) -> bool:

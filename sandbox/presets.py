@@ -222,6 +222,10 @@ def _claude_code(h: Harness, ctx: LaunchContext) -> Launch:
 def _qwen_code(h: Harness, ctx: LaunchContext) -> Launch:
     settings = {
         "$version": 3,
+        # Qwen Code sends exactly its samplingParams when they are set; the gateway pins the
+        # rest of sampling to the training policy anyway.
+        "model": {"generationConfig": {"samplingParams": {"max_tokens": h.max_output_tokens},
+                                       "contextWindowSize": h.context_window}},
         "general": {"enableAutoUpdate": False},
         "privacy": {"usageStatisticsEnabled": False},
         "telemetry": {"enabled": False},
@@ -354,12 +358,14 @@ def install_paths(harness: Harness, path: str) -> list[str]:
     found = shutil.which(executable(harness), path=path)
     if found is None:
         return []
-    real = os.path.realpath(found)
-    if harness.preset != "command":
-        parts = real.split(os.sep)
-        if "node_modules" in parts:
-            return [os.sep.join(parts[: parts.index("node_modules") + 1])]
-    return [os.path.dirname(real)]
+    out = []
+    for candidate in (os.path.abspath(found), os.path.realpath(found)):
+        parts = candidate.split(os.sep)
+        if harness.preset != "command" and "node_modules" in parts:
+            out.append(os.sep.join(parts[: parts.index("node_modules") + 1]))
+        else:
+            out.append(os.path.dirname(candidate))
+    return out
 
 
 def harness_limits(harness: Harness) -> Limits:

@@ -1,18 +1,26 @@
 """Real harness CLIs from npm (pinned in tests/support/harnesses.py), each run headless and offline
 on one prompt against the real gateway and vLLM: every rollout gets recorded calls with the
 engine's token ids over the harness's own protocol (Claude Code: Anthropic Messages; Codex:
-Responses; OpenCode: chat completions), and an overlong prompt comes back in a form the harness
-itself recognises as "prompt too long".
+Responses; OpenCode, Qwen Code, Pi: chat completions), and an overlong prompt comes back in a
+form the harness itself recognises as "prompt too long". All five also run an example task
+through `rolltap rollouts`, confined, with the gateway as their only network.
 
 The tiny model's replies are nonsense; these tests check the protocol path, not the agent.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from sandbox.presets import Harness
+from sandbox.presets import NPM_EXECUTABLES, Harness
 from tests.support.detokenize import engine_text
+from tests.support.gateway import ADMIN_KEY
 from tests.support.harnesses import HARNESS_PACKAGES, require_harnesses, run_harness
 from tests.support.vllm import TINY_MAX_MODEL_LEN
 
@@ -146,3 +154,49 @@ def test_opencode(gateway, vllm_server, tiny_tokenizer, harness_bin, tmp_path):
     [agent] = [c for c in calls if c["offered_tools"]]
     assert agent["request"]["stream"] is True
     assert agent["request"]["stream_options"] == {"include_usage": True}
+
+
+REPO = Path(__file__).resolve().parents[1]
+# preset -> (recorded protocol, user agent product, extra CLI arguments)
+THROUGH_ROLLOUTS = {
+    "claude-code": ("anthropic", "claude-cli",
+                    [f"--harness-arg={a}" for a in CLAUDE_TOOLS]),
+    "codex": ("responses", "codex_exec", []),
+    "opencode": ("chat", "opencode", []),
+    "qwen-code": ("chat", "QwenCode", []),
+    "pi": ("chat", "", []),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(THROUGH_ROLLOUTS))
+def test_harness_through_rollouts_confined(preset, gateway, vllm_server, harness_bin,
+                                           tmp_path):
+    """`rolltap rollouts` runs the harness on an example task in a bwrap sandbox whose network
+    reaches only the gateway: half of the presets through the gateway's own Unix socket, the
+    others through the runner's relay to its TCP port. Its calls are recorded, the hidden tests
+    score it, and the rollout says it was confined."""
+    protocol, product, extra = THROUGH_ROLLOUTS[preset]
+    state = tmp_path / "state.jsonl"
+    via_socket = preset in ("opencode", "qwen-code", "pi")
+    argv = [sys.executable, "-m", "sandbox.cli", str(REPO / "examples/tasks/tasks.jsonl"),
+            "--task", "fizzbuzz", "--harness", preset, "--model", vllm_server.model,
+            "--harness-bin", str(harness_bin / NPM_EXECUTABLES[preset]), "--group-size", "1",
+            "--gateway", gateway.url, "--state", str(state), "--max-output-tokens", "32",
+            "--sandbox-root", str(tmp_path / "sandboxes"), *extra]
+    if via_socket:
+        argv += ["--gateway-socket", str(gateway.unix_socket)]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "isolation: bwrap" in proc.stdout
+    [record] = [json.loads(line) for line in state.read_text().splitlines()
+                if json.loads(line)["type"] == "rollout"]
+    rollout = gateway.admin.get(f"/admin/rollouts/{record['rollout_id']}").json()
+    assert rollout["metrics"]["isolation"] == "bwrap", rollout["metrics"]
+    calls = gateway.calls(record["rollout_id"])
+    assert calls, f"no model call recorded: {rollout['metrics']}"
+    ok = [c for c in calls if c["status"] == "ok"]
+    assert ok and all(c["protocol"] == protocol for c in ok), rollout["metrics"]
+    assert all(c["user_agent"].startswith(product) for c in ok), ok[0]["user_agent"]
+    assert all(c["prompt_ids"] and len(c["logprobs"]) == len(c["completion_ids"]) for c in ok)
+    assert record["reward"] is not None or rollout["metrics"]["sandbox_status"] != "ok"

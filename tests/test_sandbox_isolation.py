@@ -219,7 +219,7 @@ async def test_hostile_agent_and_solution_change_nothing(task_set, gateway, vllm
     ts.secrets.append(honest_rollout["api_key"])
     marker = f"rolltap-hostile-daemon-{os.urandom(4).hex()}"
     vllm_port = int(vllm_server.url.rsplit(":", 1)[1])
-    prompt = {"targets": ts.targets, "secrets": ts.secrets, "vllm": vllm_server.url,
+    prompt = {"targets": ts.targets, "vllm": vllm_server.url,
               "ports": [5432, vllm_port], "marker": marker, "fill_mb": 256,
               "rollout": hostile_rollout["rollout_id"], "model": vllm_server.model}
     hostile = msgspec.structs.replace(tasks["hostile"], prompt=json.dumps(prompt))
@@ -245,14 +245,16 @@ async def test_hostile_agent_and_solution_change_nothing(task_set, gateway, vllm
     assert bad.status == "ok", bad.agent.stderr[-3000:]
     report = json.loads(bad.agent.stdout.strip().splitlines()[-1])
 
-    # Its own uid, none of the machine's; only its own PID namespace, and no secret in it.
+    # Its own uid, none of the machine's; only its own PID namespace; no secret anywhere in
+    # what it read (every /proc/*/environ and cmdline it could see included).
     assert report["uid"] >= confine.UID_BASE
-    assert max(report["proc"]["pids"]) < 64 and report["proc"]["leaked"] == {}
+    assert max(report["proc"]["pids"]) < 64
+    blob = json.dumps(report)
+    assert [s for s in ts.secrets if s in blob] == []
     # Kill everything it sees: only its own processes (PID 1 of its namespace ignores it).
     assert set(report["kill"]) <= set(report["proc"]["pids"]) | set(range(64))
     # No file of the task set, other sandboxes, the state file, other processes' roots.
     assert all(isinstance(v, int) for v in report["reads"].values()), report["reads"]
-    assert json.dumps(report).count("HIDDEN-") == 0
     assert all(v in (errno.ENOENT, errno.EACCES) for v in report["listing"].values())
     # Limits: no hard limit raised, no cgroup to write to.
     assert all(v != 0 for v in report["limits"].values()), report["limits"]

@@ -114,6 +114,11 @@ def test_config_details():
     assert claude.env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "512"
     assert claude.env["CLAUDE_CONFIG_DIR"] == "/sbx/home/.claude"
 
+    qwen = build_launch(Harness(preset="qwen-code", model="tiny", max_output_tokens=64,
+                                context_window=8192), CTX)
+    generation = json.loads(qwen.files[".qwen/settings.json"])["model"]["generationConfig"]
+    assert generation == {"samplingParams": {"max_tokens": 64}, "contextWindowSize": 8192}
+
     pi = build_launch(Harness(preset="pi", model="tiny"), CTX)
     models = json.loads(pi.files[".pi/agent/models.json"])
     assert models["providers"]["gw"]["apiKey"] == KEY_VAR

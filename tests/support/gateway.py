@@ -4,6 +4,7 @@ can kill and restart it like any deployment would."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,6 +44,7 @@ class GatewayProcess:
             self.args += ["--database-url", database_url]
         self.log_path = log_path or Path(tempfile.gettempdir()) / f"rolltap-gw-{self.port}.log"
         self.proc: subprocess.Popen | None = None
+        self.unix_socket: Path | None = None
         self.admin = httpx.Client(base_url=self.url, timeout=60,
                                   headers={"Authorization": f"Bearer {ADMIN_KEY}"})
 
@@ -99,8 +101,13 @@ class GatewayProcess:
 
 @pytest.fixture(scope="session")
 def gateway(vllm_server, database_url, tmp_path_factory):
+    # Also on a Unix socket, for confined sandboxes (a short path: sockets allow 107 bytes).
+    socket_dir = Path(tempfile.mkdtemp(prefix="rolltap-gw-"))
     gw = GatewayProcess([vllm_server.url], database_url, "--max-body-mb", "1",
+                        "--unix-socket", str(socket_dir / "gateway.sock"),
                         log_path=tmp_path_factory.mktemp("gateway") / "gateway.log")
+    gw.unix_socket = socket_dir / "gateway.sock"
     gw.start()
     yield gw
     gw.stop()
+    shutil.rmtree(socket_dir, ignore_errors=True)

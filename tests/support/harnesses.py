@@ -23,7 +23,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from sandbox.layout import SandboxDirs, base_env, make_dirs, sandbox_path, write_files
+from sandbox.layout import (
+    SandboxDirs,
+    base_env,
+    make_area,
+    make_root,
+    sandbox_path,
+    write_files,
+)
 from sandbox.presets import NPM_EXECUTABLES, Harness, LaunchContext, build_launch
 
 __all__ = [
@@ -46,6 +53,8 @@ HARNESS_PACKAGES: dict[str, tuple[str, str]] = {
     "claude-code": ("@anthropic-ai/claude-code", "2.1.197"),
     "codex": ("@openai/codex", "0.171.0"),
     "opencode": ("opencode-ai", "1.18.33"),
+    "qwen-code": ("@qwen-code/qwen-code", "0.15.10"),
+    "pi": ("@mariozechner/pi-coding-agent", "0.73.1"),
 }
 
 
@@ -144,7 +153,7 @@ def run_harness(
     killed with its whole process group."""
     exe = bin_dir / NPM_EXECUTABLES[harness.preset]
     harness = msgspec.structs.replace(harness, executable=str(exe))
-    dirs = make_dirs(str(parent), harness.preset)
+    dirs, _ = make_area(make_root(str(parent), harness.preset), "agent", None)
     launch = build_launch(
         harness,
         LaunchContext(
