@@ -3,8 +3,9 @@ everything a sandboxed model could use to raise its reward or harm the run, and 
 happened as one JSON line. It then leaves a solution that is correct but just as hostile when
 the verifier imports it (SOLUTION below).
 
-The prompt is JSON: `targets` (paths it must not read), `vllm` (the engine's URL), `ports` (host ports it must not reach), `marker` (tags the daemon it
-leaves behind), `fill_mb` (how much it tries to write), `rollout` (its own id), `model`.
+The prompt is JSON: `targets` (paths it must not read), `vllm` (the engine's URL), `ports` (host
+ports it must not reach), `marker` (tags the daemon it leaves behind), `fill_mb` (how much it
+tries to write), `rollout` (its own id), `model`.
 """
 
 from __future__ import annotations
