@@ -54,6 +54,8 @@ reward of a crashed or timed-out harness (--crash-reward):
   verify  run the hidden tests on whatever the harness left behind
 
 examples:
+  rolltap rollouts --probe --gateway http://127.0.0.1:9000 --probe-port 8000
+      (what a sandboxed agent can reach here; compare with --isolation none)
   rolltap rollouts examples/tasks/tasks.jsonl --harness python \\
       --agent sandbox.agents.scripted:run --group-size 4 \\
       --gateway http://127.0.0.1:9000 --admin-key SECRET --state run1.jsonl
@@ -70,13 +72,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("tasks", metavar="TASKS.jsonl", help="task file, one JSON task per line")
+    p.add_argument("tasks", metavar="TASKS.jsonl", nargs="?",
+                   help="task file, one JSON task per line")
 
     run = p.add_argument_group("run")
-    run.add_argument("--harness", required=True, metavar="NAME",
+    run.add_argument("--probe", action="store_true",
+                     help="instead of rollouts: run one sandbox whose agent reports what it can "
+                          "reach (other processes, limits, cgroups, the network, the gateway's "
+                          "admin API, TASKS.jsonl if given) and print it")
+    run.add_argument("--probe-port", type=int, action="append", default=[], metavar="PORT",
+                     help="--probe: also try this TCP port on 127.0.0.1 (repeatable; 5432 "
+                          "always)")
+    run.add_argument("--harness", metavar="NAME",
                      help="harness preset: python, command, opencode, codex, claude-code, "
                           "qwen-code, pi")
-    run.add_argument("--group-size", type=int, required=True, metavar="G",
+    run.add_argument("--group-size", type=int, metavar="G",
                      help="rollouts per task and repeat, sharing one group id")
     run.add_argument("--repeat", type=int, default=1, metavar="K",
                      help="groups per task (default 1)")
@@ -292,6 +302,48 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
     return 1 if report.errors else 0
 
 
+async def _probe(args: argparse.Namespace, admin_key: str, backend) -> int:
+    import json
+
+    from sandbox.backends.base import SandboxRequest
+    from sandbox.gateway_client import AdminClient, GatewayError
+    from sandbox.presets import Harness
+    from sandbox.tasks import Task, Verifier
+
+    paths = [os.path.abspath(args.tasks)] if args.tasks else []
+    spec = {"ports": sorted({5432, *args.probe_port}), "paths": paths}
+    task = Task(id="probe", prompt=json.dumps(spec), files={},
+                verifier=Verifier("true", "binary", {}), source_paths=tuple(paths))
+    harness = Harness(preset="python", model=args.model, agent="sandbox.agents.probe:run")
+    try:
+        async with AdminClient(args.gateway, admin_key) as admin:
+            access = await admin.create_rollout(task_id="probe", group_id="probe",
+                                                metadata={"probe": True}, timeout_s=600)
+            try:
+                result = await backend.run(SandboxRequest(task, harness, access))
+            finally:
+                await admin.finish_rollout(access.rollout_id, reward=None, status="failed",
+                                           metrics={"probe": True})
+    except GatewayError as exc:
+        print(f"rolltap rollouts --probe: {exc}", file=sys.stderr)
+        return 1
+    lines = (result.agent.stdout.strip().splitlines() if result.agent else []) or [""]
+    try:
+        checks = json.loads(lines[-1])
+    except ValueError:
+        print(f"the probe failed: {result.reward_detail}\n{result.agent and result.agent.stderr}",
+              file=sys.stderr)
+        return 1
+    print(f"sandbox isolation: {result.isolation}")
+    for name, (allowed, detail) in checks.items():
+        verdict = "" if name in ("uid", "processes visible") else (
+            "ALLOWED" if allowed else "refused")
+        print(f"  {verdict:<8} {name}: {str(detail)[:100]}")
+    for warning in result.warnings:
+        print(f"  warning: {warning}")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -300,6 +352,20 @@ def main(args: argparse.Namespace) -> int:
     admin_key = args.admin_key or os.environ.get("ROLLTAP_ADMIN_KEY")
     if not admin_key:
         print("rolltap rollouts: give --admin-key or set ROLLTAP_ADMIN_KEY", file=sys.stderr)
+        return 2
+    if args.probe:
+        from sandbox.confine import ConfinementError
+
+        try:
+            backend = _backend(args)
+        except ConfinementError as exc:
+            print(f"rolltap rollouts: {exc}", file=sys.stderr)
+            return 2
+        return asyncio.run(_probe(args, admin_key, backend))
+    missing = [flag for flag, value in (("TASKS.jsonl", args.tasks), ("--harness", args.harness),
+                                        ("--group-size", args.group_size)) if value is None]
+    if missing:
+        print(f"rolltap rollouts: give {', '.join(missing)} (or --probe)", file=sys.stderr)
         return 2
     try:
         tasks = load_tasks(args.tasks)
