@@ -144,4 +144,4 @@ async def test_scripted_agent_carries_out_tool_calls(stand_in_model, tmp_path):
     assert second["messages"][-1]["role"] == "tool"
     assert second["messages"][-1]["content"].startswith("wrote ")
     (sandbox,) = root.iterdir()
-    assert (sandbox / "work" / "agent_reply.md").read_text() == "Done.\n"
+    assert (sandbox / "agent" / "work" / "agent_reply.md").read_text() == "Done.\n"

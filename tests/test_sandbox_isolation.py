@@ -252,7 +252,7 @@ async def test_hostile_agent_and_solution_change_nothing(task_set, gateway, vllm
     blob = json.dumps(report)
     assert [s for s in ts.secrets if s in blob] == []
     # Kill everything it sees: only its own processes (PID 1 of its namespace ignores it).
-    assert set(report["kill"]) <= set(report["proc"]["pids"]) | set(range(64))
+    assert {int(pid) for pid in report["kill"]} <= set(range(64))
     # No file of the task set, other sandboxes, the state file, other processes' roots.
     assert all(isinstance(v, int) for v in report["reads"].values()), report["reads"]
     assert all(v in (errno.ENOENT, errno.EACCES) for v in report["listing"].values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -54,17 +55,20 @@ def test_plan_covers_every_missing_key_once(n_tasks, group_size, repeat, done):
 def test_summary_table():
     records = [record("a", 0, 0, reward=1.0), record("a", 0, 1, "failed", 0.0),
                record("a", 1, 0, "timeout", None, calls=1, tokens=3),
-               record("b", 0, 0, reward=0.5, calls=4, tokens=40)]
+               record("b", 0, 0, reward=0.5, calls=4, tokens=40),
+               msgspec.structs.replace(record("b", 0, 1, reward=0.0), sandbox_status="tampered")]
     (a, b) = summarize(records, errors={"b": 2})
     assert (a.rollouts, a.statuses, a.rewards) == (
         3, {"finished": 1, "failed": 1, "timeout": 1}, [1.0, 0.0, None])
     assert a.mean_reward == 0.5 and (a.calls, a.trained_tokens) == (5, 23)
-    assert b.errors == 2
+    assert (b.errors, b.tampered, a.tampered) == (2, 1, 0)
     table = format_table([a, b])
     lines = table.splitlines()
     assert lines[0].split()[:3] == ["task", "n", "finished"]
-    assert lines[2].split()[:10] == ["a", "3", "1", "1", "1", "0", "0.50", "5", "23", "1.00"]
-    assert lines[-1].split()[:9] == ["all", "4", "2", "1", "1", "2", "0.50", "9", "63"]
+    # columns: task n finished failed timeout tampered errors mean calls tokens rewards
+    assert lines[2].split()[:11] == ["a", "3", "1", "1", "1", "0", "0", "0.50", "5", "23",
+                                     "1.00"]
+    assert lines[-1].split()[:10] == ["all", "5", "3", "1", "1", "1", "2", "0.38", "11", "73"]
 
 
 def test_trained_tokens_prefers_merge_stats():

@@ -76,6 +76,10 @@ def test_good_task_decodes():
          'tasks.jsonl line 3: fields "files" and "files_dir": give one, not both'),
         (with_(GOOD, "verifier.command", "  "),
          'tasks.jsonl line 3: field "verifier.command": must not be empty'),
+        (with_(GOOD, "protected", ["tests/../../x"]),
+         "tasks.jsonl line 3: field \"protected\": 'tests/../../x': '..' is not"),
+        (with_(GOOD, "protected", "tests"),
+         'tasks.jsonl line 3: field "protected": expected an array, got a string'),
         ("{not json",
          "tasks.jsonl line 3: not valid JSON"),
     ],
@@ -83,6 +87,12 @@ def test_good_task_decodes():
 def test_errors_name_line_and_field(doc, message):
     other = with_(GOOD, "id", "t0")
     assert error_of(jsonl(other, "", doc)).startswith(message)
+
+
+def test_protected_paths_are_normalised():
+    [task] = parse_tasks(jsonl(with_(GOOD, "protected", ["tests/", "./conftest.py"])),
+                         Path("."), "tasks.jsonl")
+    assert task.protected == ("tests", "conftest.py")
 
 
 def test_duplicate_id_names_both_lines():
