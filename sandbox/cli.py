@@ -147,7 +147,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sb.add_argument("--keep-sandboxes", action="store_true",
                     help="do not delete sandbox directories (debugging)")
     sb.add_argument("--no-cgroup", action="store_true",
-                    help="do not put sandboxes in their own pids cgroup")
+                    help="do not give sandboxes cgroups of their own (no memory/CPU caps; "
+                         "processes capped by RLIMIT_NPROC only)")
     sb.add_argument("--isolation", choices=["bwrap", "none"], default="bwrap",
                     help="bwrap (default): confine every phase with bubblewrap; none: run "
                          "unconfined (agents can read the task set and reach the network)")

@@ -94,12 +94,20 @@ def release_areas(root: str, keep: bool) -> None:
     for name in ("agent", "verifier"):
         area = os.path.join(root, name)
         if keep and os.path.ismount(area):
-            shutil.copytree(area, area + ".kept", symlinks=True)
+            shutil.copytree(area, area + ".kept", symlinks=True, ignore=_special)
             disk.release(area)
             os.rmdir(area)
             os.rename(area + ".kept", area)
         else:
             disk.release(area)
+
+
+def _special(directory: str, names: list[str]) -> list[str]:
+    """Names that are neither directories, regular files nor links (a FIFO would block a
+    copy for ever)."""
+    kinds = {name: os.lstat(os.path.join(directory, name)).st_mode for name in names}
+    return [n for n, mode in kinds.items()
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode))]
 
 
 def remove_tree(root: str) -> None:

@@ -214,8 +214,10 @@ def _claude_code(h: Harness, ctx: LaunchContext) -> Launch:
         "IS_SANDBOX": "1",
     }
     exe = h.executable or NPM_EXECUTABLES["claude-code"]
+    # "--" ends the options: its --tools takes any number of values, and a prompt may start
+    # with a dash.
     argv = [exe, "--print", "--dangerously-skip-permissions", "--model", h.model, *h.extra_args,
-            ctx.prompt]
+            "--", ctx.prompt]
     return Launch(argv, env, {}, "anthropic")
 
 

@@ -32,7 +32,7 @@ CLAUDE_MAX_OUTPUT = 32
 # tiny model's small vocabulary: more than its 32,768-token context. A few tools keep the prompt
 # at about 8,000 tokens; the Agent tool is among them because it makes Claude Code send a
 # mid-conversation `role: system` message (its list of agent types).
-CLAUDE_TOOLS = ("--tools", "Bash,Read,Edit,Write,Agent", "--")
+CLAUDE_TOOLS = ("--tools", "Bash,Read,Edit,Write,Agent")
 
 
 @pytest.fixture(scope="module")

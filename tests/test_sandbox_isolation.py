@@ -174,7 +174,7 @@ def task_set(tmp_path: Path) -> TaskSet:
                                    "test_solution.py"),
                str(base / "hostile" / "hidden" / "tests_hidden" / "test_solution.py"),
                str(other / "notes.txt"), str(state_file), str(sandboxes),
-               "/proc/1/root/etc/hostname", "/etc/shadow"]
+               f"/proc/1/root{task_file}", "/etc/shadow"]
     return TaskSet(task_file, secrets, targets, sandboxes, state_file)
 
 
@@ -232,7 +232,8 @@ async def test_hostile_agent_and_solution_change_nothing(task_set, gateway, vllm
     (honest_dir / "honest_agent.py").write_text(HONEST_AGENT)
     honest_harness = Harness(preset="python", model="m", agent="honest_agent:run",
                              pythonpath=(str(honest_dir),))
-    backend = LocalBackend(root=str(ts.sandboxes))
+    # Through the gateway's own Unix socket: what a sandbox reaches there is the gateway itself.
+    backend = LocalBackend(root=str(ts.sandboxes), gateway_socket=str(gateway.unix_socket))
     bad, good = await asyncio.gather(
         backend.run(SandboxRequest(hostile, hostile_harness, access_for(hostile_rollout),
                                    private_paths=(str(ts.state_file),))),
@@ -255,7 +256,8 @@ async def test_hostile_agent_and_solution_change_nothing(task_set, gateway, vllm
     assert {int(pid) for pid in report["kill"]} <= set(range(64))
     # No file of the task set, other sandboxes, the state file, other processes' roots.
     assert all(isinstance(v, int) for v in report["reads"].values()), report["reads"]
-    assert all(v in (errno.ENOENT, errno.EACCES) for v in report["listing"].values())
+    assert all(v in (errno.ENOENT, errno.EACCES, errno.ENOTDIR)
+               for v in report["listing"].values()), report["listing"]
     # Limits: no hard limit raised, no cgroup to write to.
     assert all(v != 0 for v in report["limits"].values()), report["limits"]
     assert all(v in (errno.ENOENT, errno.EROFS, errno.EACCES)
@@ -266,9 +268,9 @@ async def test_hostile_agent_and_solution_change_nothing(task_set, gateway, vllm
     assert net["tcp_5432"] == net[f"tcp_{vllm_port}"] == errno.ECONNREFUSED, net
     assert net["vllm_pause"] == errno.ECONNREFUSED
     assert net["outside"] in (errno.ENETUNREACH, errno.EHOSTUNREACH), net
-    assert " 200 " in net["own_model_call"], net
+    assert isinstance(net["own_model_call"], str) and " 200 " in net["own_model_call"], net
     for name in ("admin_create", "admin_policy", "admin_finish", "admin_list"):
-        assert re.search(r" 40[13] ", net[name]), (name, net[name])
+        assert re.search(r" 40[13] ", str(net[name])), (name, net)
     assert httpx.get(f"{vllm_server.url}/is_paused", timeout=10).json()["is_paused"] is False
     # Disk and processes: bounded, and the machine is fine afterwards.
     assert report["fill"]["error"] == errno.ENOSPC and report["fill"]["written_mb"] <= 64

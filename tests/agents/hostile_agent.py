@@ -82,9 +82,9 @@ def _read(path: str):
         return exc.errno
 
 
-def _http(host_port: tuple[str, int], request: bytes) -> str | int:
+def _http(host_port: tuple[str, int], request: bytes, timeout: float = 10) -> str | int:
     s = socket.socket()
-    s.settimeout(5)
+    s.settimeout(timeout)
     try:
         s.connect(host_port)
         s.sendall(request)
@@ -139,7 +139,8 @@ def network(t: dict, base_url: str, api_key: str) -> dict:
                        "messages": [{"role": "user", "content": "hi"}]}).encode()
     out["own_model_call"] = _http((gw_host, int(gw_port)), b"POST /v1/chat/completions HTTP/1.0\r\n"
                                   + auth + b"Content-Type: application/json\r\n"
-                                  + f"Content-Length: {len(chat)}\r\n\r\n".encode() + chat)
+                                  + f"Content-Length: {len(chat)}\r\n\r\n".encode() + chat,
+                                  timeout=120)
     for name, line in (("admin_create", b"POST /admin/rollouts"),
                        ("admin_policy", b"POST /admin/policy"),
                        ("admin_finish", f"POST /admin/rollouts/{t['rollout']}/finish".encode()),
