@@ -427,3 +427,24 @@ def test_result_round_trips_as_msgpack():
     task = make_task()
     request = SandboxRequest(task, sh_agent("true"), ACCESS, crash_reward="null")
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=SandboxRequest) == request
+
+
+@pytest.mark.skipif("memory" not in parents(), reason="no memory cgroup can be made here")
+async def test_memory_cap_holds_for_the_whole_sandbox():
+    """The cgroup's memory cap (no address-space rlimit here) ends a sandbox that allocates
+    past it, however its memory is spread over processes."""
+    # Two processes, each under the cap alone, over it together; whichever the kernel kills,
+    # the agent fails.
+    hog = ("import os\n"
+           "child = os.fork()\n"
+           "blocks = [bytearray(16 << 20) for _ in range(8)]\n"
+           "for b in blocks:\n"
+           "    b[::4096] = b'x' * len(b[::4096])\n"
+           "if child:\n"
+           "    raise SystemExit(os.wait()[1] != 0)\n")
+    agent = sh_agent(f"python -c {shlex.quote(hog)}",
+                     limits=Limits(memory_mb=160, address_space_mb=None))
+    result = await LocalBackend().run(SandboxRequest(make_task(agent_s=60.0), agent, ACCESS))
+    assert "memory" in result.agent.cgroup
+    assert result.status == "crashed", result.agent.stderr
+    assert result.agent.peak_memory_mb is not None and result.agent.peak_memory_mb <= 160
