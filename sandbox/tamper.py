@@ -21,9 +21,9 @@ def _matches(path: str, expected: bytes) -> bool:
         return fh.read(len(expected) + 1) == expected
 
 
-def _found(work: str, top: str) -> set[str] | None:
-    """Relative names of every non-directory under `top` (or `top` itself if it is no
-    directory); None if something there is neither file nor directory."""
+def _found(work: str, top: str) -> set[str]:
+    """Relative names of everything but real directories under `top` (or `top` itself if it
+    is no directory)."""
     full = os.path.join(work, top)
     try:
         st = os.lstat(full)
@@ -33,12 +33,11 @@ def _found(work: str, top: str) -> set[str] | None:
         return {top}
     names = set()
     for dirpath, dirnames, filenames in os.walk(full):
-        # os.walk lists symlinks to directories among dirnames without entering them.
+        # os.walk lists links to directories among dirnames without entering them.
         for name in [*dirnames, *filenames]:
-            rel = os.path.relpath(os.path.join(dirpath, name), work)
-            if not os.path.isdir(os.path.join(dirpath, name)) or os.path.islink(
-                    os.path.join(dirpath, name)):
-                names.add(rel)
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path) or not os.path.isdir(path):
+                names.add(os.path.relpath(path, work))
     return names
 
 
