@@ -42,6 +42,7 @@ def test_changes_are_found_exactly_under_protected_paths(files, name, edit):
         write_files(work, files)
         assert changed(PROTECTED, files, work) == []
         apply(work, name, edit)
-        touched = [p for p in PROTECTED if name == p or name.startswith(p + "/")]
+        target = name + ".new" if edit == "add" else name  # "add" makes a file next to it
+        touched = [p for p in PROTECTED if target == p or target.startswith(p + "/")]
         noticeable = edit in ("rewrite", "add", "link") or (edit == "remove" and name in files)
         assert changed(PROTECTED, files, work) == (touched if noticeable else [])
