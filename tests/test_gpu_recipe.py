@@ -183,3 +183,12 @@ def test_gpu_check_trusts_torch_not_only_the_driver_listing(tmp_path):
     assert "PASS  CUDA devices: 2 visible (nvidia-smi -L)" in result.stdout
     assert "FAIL  CUDA devices: no CUDA device (torch.cuda.device_count())" in result.stdout
     assert not workdir.exists()
+
+
+def test_bridge_names_replicas_a_gateway_routes_to_but_it_does_not_push_to(gateway, vllm_server):
+    from trainer_bridge.weights import gateway_upstreams, unsynced_upstreams
+
+    upstreams = gateway_upstreams([gateway.url])
+    assert upstreams == {gateway.url: [vllm_server.url]}
+    assert unsynced_upstreams(upstreams, [vllm_server.url + "/", "http://spare:8000"]) == []
+    assert unsynced_upstreams(upstreams, ["http://other:8000"]) == [(gateway.url, vllm_server.url)]

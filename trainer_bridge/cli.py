@@ -261,11 +261,17 @@ def _run(args: argparse.Namespace) -> int:
         PolicyAnnouncer,
         VersionedTransfer,
         WeightSyncError,
+        gateway_upstreams,
+        unsynced_upstreams,
     )
 
     output_dir = args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     announcer = PolicyAnnouncer.from_gateways(args.gateway, args.admin_key)
+    for gateway, upstream in unsynced_upstreams(gateway_upstreams(args.gateway), args.vllm):
+        print(f"warning: gateway {gateway} routes to {upstream}, which is not a --vllm of this "
+              "bridge: unless it is one of them under another name, it keeps its weights while "
+              "its tokens get the new versions", file=sys.stderr, flush=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     source = RolloutSource(
         SourceConfig(

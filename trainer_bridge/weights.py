@@ -78,6 +78,25 @@ class PolicyAnnouncer:
         return version
 
 
+def gateway_upstreams(gateways: Iterable[str], timeout: float = 30) -> dict[str, list[str]]:
+    """The vLLM replicas each gateway routes to, as its `/healthz` names them."""
+    with httpx.Client(timeout=timeout) as http:
+        return {g: list(http.get(f"{g.rstrip('/')}/healthz").json()["upstreams"])
+                for g in gateways}
+
+
+def unsynced_upstreams(
+    upstreams: dict[str, Iterable[str]], vllm_urls: Iterable[str]
+) -> list[tuple[str, str]]:
+    """(gateway, replica) pairs where the gateway routes to a replica the bridge does not push
+    weights to: that replica keeps its weights while the gateway stamps new versions on what it
+    samples. URLs are compared as written, up to a trailing slash, so one replica reached under
+    two names is reported too."""
+    synced = {url.rstrip("/") for url in vllm_urls}
+    return [(gateway, url) for gateway, urls in upstreams.items() for url in urls
+            if url.rstrip("/") not in synced]
+
+
 class VersionedTransfer:
     """A weight transfer that announces each pushed version before the engines resume."""
 
