@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -192,3 +193,18 @@ def test_bridge_names_replicas_a_gateway_routes_to_but_it_does_not_push_to(gatew
     assert upstreams == {gateway.url: [vllm_server.url]}
     assert unsynced_upstreams(upstreams, [vllm_server.url + "/", "http://spare:8000"]) == []
     assert unsynced_upstreams(upstreams, ["http://other:8000"]) == [(gateway.url, vllm_server.url)]
+
+
+@no_cuda
+def test_make_gpu_check_refuses_before_installing_the_gpu_environment(tmp_path):
+    # PATH holds `make` and nothing else, so no `nvidia-smi` is found whatever the machine has.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "make").symlink_to(shutil.which("make"))
+    result = subprocess.run([str(bin_dir / "make"), "-s", "gpu-check", f"PY={sys.executable}",
+                             f"GPU_VENV={tmp_path / 'venv-gpu'}"],
+                            capture_output=True, text=True, timeout=300, cwd=REPO,
+                            env={**os.environ, "PATH": str(bin_dir)})
+    assert result.returncode != 0
+    assert "FAIL  CUDA devices: no CUDA device" in result.stdout
+    assert not (tmp_path / "venv-gpu").exists()
