@@ -396,8 +396,8 @@ def register(subparsers) -> None:
         type=parse_gpus,
         metavar="LIST",
         help="GPU indices to serve on, e.g. 0,1,2,3: the server's CUDA_VISIBLE_DEVICES, and its "
-        "tensor-parallel size unless --tensor-parallel-size is given (default: whatever "
-        "CUDA_VISIBLE_DEVICES already allows, one GPU)",
+        "tensor-parallel size unless --tensor-parallel-size is given (default: vLLM's choice, "
+        "the first GPU the inherited CUDA_VISIBLE_DEVICES allows)",
     )
     parser.add_argument(
         "--tensor-parallel-size",
