@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install deps test demo bench lint clean
+.PHONY: install deps test demo bench lint clean gpu-check
 
 install: deps $(STAMP)
 
@@ -44,5 +44,23 @@ bench: install
 lint: install
 	$(BIN)/ruff check gateway trainer_bridge sandbox tests bench
 
+# On a GPU node (at least two GPUs): vLLM and the bridge with NCCL weight sync for 2 optimizer
+# steps of the tiny model, PASS or FAIL per stage (sandbox/gpu_check.py). Its own environment
+# (the CUDA build of vLLM, not the CPU one the tests use). Without a GPU it stops at the first
+# stage, before installing anything.
+GPU_VENV  := .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+
+$(GPU_STAMP): pyproject.toml
+	test -x $(GPU_VENV)/bin/python || $(PY) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q -U pip wheel
+	$(GPU_VENV)/bin/pip install -q -e '.[gpu,train]'
+	touch $(GPU_STAMP)
+
+gpu-check:
+	$(PY) -m sandbox.gpu_check --preflight
+	$(MAKE) $(GPU_STAMP)
+	$(GPU_VENV)/bin/python -m sandbox.gpu_check
+
 clean:
-	rm -rf $(VENV) .cache .pytest_cache
+	rm -rf $(VENV) $(GPU_VENV) .cache .pytest_cache

@@ -27,8 +27,15 @@ Weight sync:
   disk  write a safetensors checkpoint into --checkpoint-dir (a path every replica can read),
         pause each replica, reload it in place, resume it. Any number of replicas; CPU or GPU.
         vLLM needs VLLM_SERVER_DEV_MODE=1 (rolltap serve-model sets it).
-  nccl  TRL's NCCL transfer into one vLLM on GPUs; start vLLM with
-        --weight-transfer-config '{"backend":"nccl"}' and VLLM_SERVER_DEV_MODE=1.
+  nccl  TRL's NCCL transfer into exactly one vLLM server (tensor parallel inside it is fine)
+        on GPUs; `rolltap serve-model --device gpu` starts it with the transfer engine
+        (--weight-transfer-config '{"backend":"nccl"}') and VLLM_SERVER_DEV_MODE=1. Several
+        replicas: use disk for all of them (one bridge has one sync mode).
+
+On GPUs the policy trains in bfloat16 (serve vLLM in bfloat16 too: serve-model's GPU default),
+and TRL's packed attention loads the flash-attention kernel from the Hugging Face Hub at start
+(the `kernels` package of the gpu extra; with HF_HUB_OFFLINE=1 it must be in the cache already).
+--print-config shows the resolved configuration, device and precision included, and exits.
 
 On vLLM's CPU build the model must not tie its LM head to its embeddings (an in-place reload
 does not refresh a tied head there); serve and train an untied copy, made by
@@ -136,14 +143,64 @@ def register(subparsers) -> None:
     weights.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
                          help="disk sync: newest checkpoints kept; the last is the trained "
                          "model (default %(default)s)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved configuration (device, precision, trainer "
+                        "fields, weight sync) as JSON and exit without connecting to anything")
     parser.set_defaults(func=_run)
 
 
-def _offline() -> None:
-    # Nothing here needs the Hub: the model is a local directory, and telemetry would only time
-    # out on machines without internet.
-    for name in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TRANSFORMERS_OFFLINE",
-                 "DO_NOT_TRACK"):
+def training_device(weight_sync: str, cuda: bool) -> str:
+    """Where the policy trains: NCCL sync exists only between GPUs, so it means "gpu" even
+    where this machine has none (the run then refuses to start, the printed configuration
+    shows the GPU one)."""
+    return "gpu" if cuda or weight_sync == "nccl" else "cpu"
+
+
+def resolved_config(args: argparse.Namespace, device: str) -> dict:
+    """What the run would use, secrets left out: the trainer's fields as given to
+    `make_trainer`, and where rollouts come from and weights go."""
+    from trainer_bridge.trainer import device_defaults
+
+    return {
+        "model": str(args.model),
+        "device": device,
+        "weight_sync": args.weight_sync,
+        "vllm": args.vllm,
+        "gateways": args.gateway,
+        "trainer": {
+            "output_dir": str(args.output_dir),
+            "max_steps": args.max_steps,
+            "token_budget": args.token_budget,
+            "loss_normalization": args.loss_normalization,
+            "learning_rate": args.learning_rate,
+            "max_staleness": args.max_staleness,
+            **device_defaults(device),
+            **_trainer_fields(args),
+        },
+        "checkpoint_dir": str(args.checkpoint_dir or args.output_dir / "weights")
+        if args.weight_sync == "disk" else None,
+    }
+
+
+def _trainer_fields(args: argparse.Namespace) -> dict:
+    return {
+        "num_generations": args.num_generations,
+        "vllm_server_base_url": args.vllm[0],
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        **dict(args.overrides),
+    }
+
+
+def _offline(device: str) -> None:
+    # The model is a local directory, and telemetry would only time out on machines without
+    # internet. On a CPU nothing needs the Hub; on GPUs TRL's packed attention fetches its
+    # flash-attention kernel from it (cached afterwards), so offline is the user's choice there.
+    names = ["HF_HUB_DISABLE_TELEMETRY", "DO_NOT_TRACK"]
+    if device == "cpu":
+        names += ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"]
+    for name in names:
         os.environ.setdefault(name, "1")
 
 
@@ -169,12 +226,16 @@ def _database_url(args: argparse.Namespace) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    _offline()
+    import torch
+
+    device = training_device(args.weight_sync, torch.cuda.is_available())
+    if args.print_config:
+        print(json.dumps(resolved_config(args, device), indent=2), flush=True)
+        return 0
+    _offline(device)
     if not args.admin_key:
         print("error: --admin-key (or ROLLTAP_ADMIN_KEY) is required", file=sys.stderr)
         return 2
-    import torch
-
     if args.weight_sync == "nccl":
         if not torch.cuda.is_available():
             print("error: --weight-sync nccl needs CUDA (TRL's NCCL transfer runs between GPUs); "
@@ -193,17 +254,24 @@ def _run(args: argparse.Namespace) -> int:
 
     from trainer_bridge.progress import Progress
     from trainer_bridge.source import RolloutSource, SourceConfig
-    from trainer_bridge.trainer import make_trainer
+    from trainer_bridge.trainer import KernelUnavailable, make_trainer
     from trainer_bridge.weights import (
         DiskWeightSync,
+        NcclWeightSync,
         PolicyAnnouncer,
         VersionedTransfer,
         WeightSyncError,
+        gateway_upstreams,
+        unsynced_upstreams,
     )
 
     output_dir = args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     announcer = PolicyAnnouncer.from_gateways(args.gateway, args.admin_key)
+    for gateway, upstream in unsynced_upstreams(gateway_upstreams(args.gateway), args.vllm):
+        print(f"warning: gateway {gateway} routes to {upstream}, which is not a --vllm of this "
+              "bridge: unless it is one of them under another name, it keeps its weights while "
+              "its tokens get the new versions", file=sys.stderr, flush=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     source = RolloutSource(
         SourceConfig(
@@ -230,29 +298,28 @@ def _run(args: argparse.Namespace) -> int:
             args.vllm,
             keep=args.keep_checkpoints,
         )
-    trainer = make_trainer(
-        args.model,
-        rollout_worker=source,
-        # None: TRL builds its own NCCL transfer to the vLLM named below.
-        weight_transfer=VersionedTransfer(disk, announcer) if disk else None,
-        output_dir=output_dir,
-        max_steps=args.max_steps,
-        token_budget=args.token_budget,
-        loss_normalization=args.loss_normalization,
-        learning_rate=args.learning_rate,
-        max_staleness=args.max_staleness,
-        processing_class=tokenizer,
-        **{
-            "num_generations": args.num_generations,
-            "vllm_server_base_url": args.vllm[0],
-            "save_strategy": "no",
-            "report_to": "none",
-            "disable_tqdm": True,
-            **dict(args.overrides),
-        },
-    )
+    try:
+        trainer = make_trainer(
+            args.model,
+            rollout_worker=source,
+            # None: TRL builds its own NCCL transfer to the vLLM named below.
+            weight_transfer=VersionedTransfer(disk, announcer) if disk else None,
+            output_dir=output_dir,
+            max_steps=args.max_steps,
+            token_budget=args.token_budget,
+            loss_normalization=args.loss_normalization,
+            learning_rate=args.learning_rate,
+            max_staleness=args.max_staleness,
+            processing_class=tokenizer,
+            **_trainer_fields(args),
+        )
+    except KernelUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if disk is None:
-        trainer.weight_transfer = VersionedTransfer(trainer.weight_transfer, announcer)
+        trainer.weight_transfer = VersionedTransfer(
+            NcclWeightSync(trainer.weight_transfer, args.vllm[0]), announcer
+        )
     progress = Progress(source, trainer.weight_transfer, output_dir / "progress.jsonl")
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(progress)

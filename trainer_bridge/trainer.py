@@ -93,6 +93,53 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
+class KernelUnavailable(RuntimeError):
+    """TRL's flash-attention kernel for CUDA could not be loaded; the message says what to do."""
+
+
+def load_gpu_attention() -> None:
+    """Load the flash-attention kernel TRL's packed attention runs on CUDA now, not at the first
+    forward pass after the model is loaded and the run has begun.
+
+    TRL fetches it from the Hugging Face Hub through the `kernels` package (the gpu extra); it
+    is cached after the first fetch, and with HF_HUB_OFFLINE=1 only the cache is read.
+    """
+    from trl.experimental.async_grpo import packing
+
+    try:
+        packing._flash_attn()
+    except ImportError as exc:
+        raise KernelUnavailable(
+            f"TRL's packed attention on CUDA needs the `kernels` package ({exc}); install the "
+            "gpu extra: pip install 'rolltap[gpu,train]'"
+        ) from exc
+    except Exception as exc:
+        raise KernelUnavailable(
+            "TRL's packed attention on CUDA loads the flash-attention kernel from the Hugging "
+            f"Face Hub (kernels-community/flash-attn3), and that failed: {exc!r}. Run once with "
+            "access to huggingface.co (the kernel is cached afterwards), or unset "
+            "HF_HUB_OFFLINE if it is set and the cache does not hold the kernel yet."
+        ) from exc
+
+
+def device_defaults(device: str) -> dict[str, Any]:
+    """The `AsyncGRPOConfig` fields that depend on where training runs ("cpu" or "gpu").
+
+    On GPUs the policy loads in bfloat16 (TRL's own default is float32: a full fine-tune of an
+    8B model with AdamW would then need about 130 GB on one GPU, and vLLM serves in bfloat16
+    there, see serve_model.DEFAULT_DTYPE), with bf16 autocast and gradient checkpointing. On a
+    CPU: float32, and no recomputation (it saves memory a CPU run does not lack).
+    """
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device must be 'cpu' or 'gpu', not {device!r}")
+    gpu = device == "gpu"
+    return {
+        "dtype": "bfloat16" if gpu else "float32",
+        "bf16": gpu,
+        "gradient_checkpointing": gpu,
+    }
+
+
 def make_trainer(
     model_path: str | os.PathLike,
     *,
@@ -111,8 +158,8 @@ def make_trainer(
 
     `token_budget` caps the tokens of one micro-batch row (TRL's token-budget batcher); it must
     be set, since TRL would otherwise ask a vLLM server for its context length. Without CUDA the
-    flash-attention kernel is replaced by `cpu_attention` and training runs in float32 without
-    gradient checkpointing (recomputing saves memory a CPU run does not lack). `config` overrides
+    flash-attention kernel is replaced by `cpu_attention`; precision and recomputation follow
+    `device_defaults`. `config` overrides
     any `AsyncGRPOConfig` field. `weight_transfer=None` lets TRL build its NCCL transfer to the
     vLLM at `vllm_server_base_url` (a GPU setup).
     """
@@ -120,7 +167,9 @@ def make_trainer(
         # The rollout stream has no length, so the run needs an explicit number of steps.
         raise ValueError("max_steps must be positive")
     cuda = torch.cuda.is_available()
-    if not cuda:
+    if cuda:
+        load_gpu_attention()
+    else:
         install_cpu_attention()
     args = AsyncGRPOConfig(
         **{
@@ -129,8 +178,7 @@ def make_trainer(
             "token_budget": token_budget,
             "learning_rate": learning_rate,
             "max_staleness": max_staleness,
-            "bf16": cuda,
-            "gradient_checkpointing": cuda,
+            **device_defaults("gpu" if cuda else "cpu"),
             **config,
         }
     )

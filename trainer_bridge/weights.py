@@ -8,7 +8,9 @@ the first time before training starts):
   replica can read, then pauses each replica (`/pause?mode=keep`: requests freeze, they are not
   aborted), reloads it in place (`/collective_rpc` `reload_weights`), drops its prefix cache
   (computed by the old weights) and resumes it. It works on the CPU build and with any number of
-  replicas. On GPUs, TRL's own NCCL transfer (`WeightTransferClient`) streams into one vLLM.
+  replicas. On GPUs, TRL's own NCCL transfer (`WeightTransferClient`) streams into one vLLM;
+  `NcclWeightSync` wraps it so a failed send does not leave that vLLM paused, its prefix cache
+  is dropped like the disk path's, and its side of the transfer is shut down at the end.
 - `VersionedTransfer` wraps either and tells every gateway the new version while the engines are
   still paused, so no token sampled by the new weights is stamped with the old version.
 
@@ -74,6 +76,25 @@ class PolicyAnnouncer:
             _ok(self._http.post(f"{gateway}/admin/policy", json={"version": version}))
         self.announced.append(version)
         return version
+
+
+def gateway_upstreams(gateways: Iterable[str], timeout: float = 30) -> dict[str, list[str]]:
+    """The vLLM replicas each gateway routes to, as its `/healthz` names them."""
+    with httpx.Client(timeout=timeout) as http:
+        return {g: list(http.get(f"{g.rstrip('/')}/healthz").json()["upstreams"])
+                for g in gateways}
+
+
+def unsynced_upstreams(
+    upstreams: dict[str, Iterable[str]], vllm_urls: Iterable[str]
+) -> list[tuple[str, str]]:
+    """(gateway, replica) pairs where the gateway routes to a replica the bridge does not push
+    weights to: that replica keeps its weights while the gateway stamps new versions on what it
+    samples. URLs are compared as written, up to a trailing slash, so one replica reached under
+    two names is reported too."""
+    synced = {url.rstrip("/") for url in vllm_urls}
+    return [(gateway, url) for gateway, urls in upstreams.items() for url in urls
+            if url.rstrip("/") not in synced]
 
 
 class VersionedTransfer:
@@ -314,14 +335,7 @@ class DiskWeightSync:
                 json={"method": "reload_weights", "kwargs": {"weights_path": str(dest)}},
             )
         )
-        # Cached prefixes hold keys and values the old weights computed. Requests frozen by the
-        # pause are recomputed under the new ones as they resume.
-        response = _ok(
-            self._http.post(f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"})
-        )
-        if not response.json().get("success", False):
-            raise RuntimeError(f"vLLM at {url} could not reset its prefix cache")
-        return response
+        return _reset_prefix_cache(self._http, url)
 
     def resume(self) -> None:
         self._all("resume", lambda url: self._http.post(f"{url}/resume"))
@@ -346,6 +360,69 @@ class DiskWeightSync:
         )[: -self.keep]
         for path in old:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _reset_prefix_cache(http: httpx.Client, url: str) -> httpx.Response:
+    # Cached prefixes hold keys and values the old weights computed, and a pause in `keep` mode
+    # leaves them in place. Requests frozen by the pause are recomputed under the new weights as
+    # they resume.
+    response = _ok(
+        http.post(f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"})
+    )
+    if not response.json().get("success", False):
+        raise RuntimeError(f"vLLM at {url} could not reset its prefix cache")
+    return response
+
+
+class NcclWeightSync:
+    """TRL's NCCL transfer into one vLLM (`inner`, a `WeightTransferClient`), made safe to fail
+    and to end.
+
+    TRL calls `pause`, `send_weights`, `resume` in sequence with no `finally`, so a send that
+    fails would leave the engine paused and every harness talking to it frozen: here the engine
+    is resumed (still serving the weights it had, or a partial update: the error ends the run,
+    and the next run's first push re-sends every parameter). After a successful send the prefix
+    cache is dropped, as the disk path does. `destroy` shuts the engine's side of the transfer
+    down (`/shutdown_weight_transfer_engine`), which TRL's client never does, so a restarted
+    bridge can join the same vLLM again.
+    """
+
+    def __init__(self, inner, vllm_url: str, timeout: float = 300) -> None:
+        self.inner = inner
+        self.url = vllm_url.rstrip("/")
+        self._http = httpx.Client(timeout=timeout)
+
+    def init_weight_transfer(self) -> None:
+        self.inner.init_weight_transfer()
+        print(f"rolltap bridge: NCCL weight transfer to {self.url} initialised", flush=True)
+
+    def pause(self) -> None:
+        self.inner.pause()
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        try:
+            self.inner.send_weights(iterator)
+            _reset_prefix_cache(self._http, self.url)
+        except BaseException:
+            if error := _attempt(lambda url: self._http.post(f"{url}/resume"), self.url):
+                log.error("weight sync: could not resume %s after a failed send: %s",
+                          self.url, error)
+            raise
+
+    def resume(self) -> None:
+        self.inner.resume()
+
+    def destroy(self) -> None:
+        try:
+            if error := _attempt(
+                lambda url: self._http.post(f"{url}/shutdown_weight_transfer_engine"), self.url
+            ):
+                # The run is over either way; a later bridge's init reports it if it matters.
+                log.error("weight sync: could not shut down the transfer engine of %s: %s",
+                          self.url, error)
+        finally:
+            self.inner.destroy()
+            self._http.close()
 
 
 def _attempt(call, url: str) -> str | None:
