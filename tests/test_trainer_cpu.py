@@ -118,10 +118,10 @@ class SyntheticRolloutWorker:
         for seqs, advantage, reward in zip(
             rollouts, group_advantages(rewards), rewards, strict=True
         ):
-            samples, skips = rollout_samples(
+            samples, reasons = rollout_samples(
                 seqs, advantage=advantage, group_id=group_id, max_tokens=TOKEN_BUDGET, reward=reward
             )
-            skipped += sum(skips.values())
+            skipped += sum(reason is not None for reason in reasons)
             for sample in samples:
                 sample.enqueued_at = time.time()
                 while not self._stop.is_set():
