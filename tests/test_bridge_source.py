@@ -28,9 +28,9 @@ from gateway.store.tokens import IDS, LOGPROBS
 from tests.support.gateway import ADMIN_KEY
 from tests.support.postgres import fresh_database
 from tests.support.sequences import Seq
+from trainer_bridge import deliveries as leases
 from trainer_bridge.advantages import group_advantages
 from trainer_bridge.samples import ROLLOUT_TOKENS_METRIC
-from trainer_bridge import deliveries as leases
 from trainer_bridge.source import (
     DELIVERY_KEY,
     Release,

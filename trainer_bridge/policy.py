@@ -30,8 +30,8 @@ class SamplingMismatch(ValueError):
 
 def trainer_sampling(grpo_fields: Mapping[str, object]) -> dict[str, float]:
     """The sampling the trainer assumes, from its AsyncGRPOConfig values (pure)."""
-    sampling = {key: grpo_fields.get(key, neutral) for key, neutral in _NEUTRAL.items()}
-    sampling["temperature"] = grpo_fields["temperature"]
+    sampling = {"temperature": grpo_fields["temperature"]}
+    sampling.update((key, grpo_fields.get(key, neutral)) for key, neutral in _NEUTRAL.items())
     return {key: _normal(key, value) for key, value in sampling.items()}
 
 
