@@ -296,31 +296,8 @@ async def _run_state(database_url: str, run: str) -> tuple[dict, list]:
     return {r["id"]: (r["consumed"], r["traces"]) for r in rollouts}, log
 
 
-def test_a_bridge_killed_at_every_seam_trains_every_rollout_exactly_once(
-    untied_model, replicas, training_gateway, database_url, tmp_path
-):
-    run = uuid.uuid4().hex[:12]
-    task = ToyTask(training_gateway.url, ADMIN_KEY, TINY_MODEL_NAME, untied_model,
-                   metadata={"run": run})
-    groups, size = 6, 4
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda g: task.play_group(f"{run}-{g}", size), range(groups)))
-    initial, _ = asyncio.run(_run_state(database_url, run))
-    assert len(initial) == groups * size
-    command = [
-        sys.executable, "-m", "trainer_bridge.cli", "bridge",
-        "--model", str(untied_model), "--gateway", training_gateway.url,
-        "--vllm", replicas[0], "--vllm", replicas[1], "--database-url", database_url,
-        "--num-generations", str(size), "--max-steps", "1000", "--learning-rate", "1e-5",
-        # About 3 toy samples a step (a shared prompt of ~270 tokens and 8 sampled each), so a
-        # group spans steps and every crash point lands between the steps of one group.
-        "--token-budget", "300", "--queue-size", "6", "--lease-seconds", "3",
-        # Restarts count versions anew: the rollouts recorded before must not go stale.
-        "--max-staleness", "1000000", "--max-attempts", "100", "--threads", "1",
-        "--match", f"run={run}",
-    ]
-    env = {**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY}
-    trained_per_run = []
+def _crash_runs(command, env, tmp_path, database_url, run, trained_per_run) -> None:
+    """One bridge per crash point, each killed there; what the log holds after each."""
     for point, nth in CRASHES:
         out = tmp_path / point
         log_path = tmp_path / f"{point}.log"
@@ -337,16 +314,53 @@ def test_a_bridge_killed_at_every_seam_trains_every_rollout_exactly_once(
         _, delivered = asyncio.run(_run_state(database_url, run))
         trained_per_run.append((point, sum(d["outcome"] == "trained" for d in delivered)))
 
-    # The last bridge is not killed: it trains on until every rollout recorded before the
-    # crashes is consumed, while new groups keep its micro-batches filling.
+
+def test_a_bridge_killed_at_every_seam_trains_every_rollout_exactly_once(
+    untied_model, replicas, training_gateway, database_url, tmp_path
+):
+    run = uuid.uuid4().hex[:12]
+    task = ToyTask(training_gateway.url, ADMIN_KEY, TINY_MODEL_NAME, untied_model,
+                   metadata={"run": run})
+    groups, size = 6, 4
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda g: task.play_group(f"{run}-{g}", size), range(groups)))
+    initial, _ = asyncio.run(_run_state(database_url, run))
+    assert len(initial) == groups * size
+    # New groups keep coming throughout, as in a real run: a bridge never runs dry before it
+    # reaches its crash point, and the last one's micro-batches keep filling. The bridges take
+    # groups oldest first, so the ones recorded above go first.
     stop = threading.Event()
     driver = threading.Thread(target=run_toy_rollouts, args=(task,),
                               kwargs={"group_size": size, "stop": stop}, daemon=True)
+    driver.start()
+    command = [
+        sys.executable, "-m", "trainer_bridge.cli", "bridge",
+        "--model", str(untied_model), "--gateway", training_gateway.url,
+        "--vllm", replicas[0], "--vllm", replicas[1], "--database-url", database_url,
+        "--num-generations", str(size), "--max-steps", "1000", "--learning-rate", "1e-5",
+        # About 3 toy samples a step (a shared prompt of ~270 tokens and 8 sampled each), so a
+        # group spans steps and every crash point lands between the steps of one group.
+        "--token-budget", "300", "--queue-size", "6", "--lease-seconds", "3",
+        # Restarts count versions anew: the rollouts recorded before must not go stale.
+        "--max-staleness", "1000000", "--max-attempts", "100", "--threads", "1",
+        "--match", f"run={run}",
+    ]
+    env = {**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY}
+    trained_per_run = []
+    try:
+        _crash_runs(command, env, tmp_path, database_url, run, trained_per_run)
+    except BaseException:
+        stop.set()
+        driver.join(timeout=120)
+        task.close()
+        raise
+
+    # The last bridge is not killed: it trains on until every rollout recorded before the
+    # crashes is consumed.
     log_path = tmp_path / "final.log"
     with log_path.open("w") as log:
         bridge = subprocess.Popen([*command, "--output-dir", str(tmp_path / "final")], cwd=REPO,
                                   stdout=log, stderr=subprocess.STDOUT, env=env)
-    driver.start()
     try:
         deadline = time.monotonic() + 400
         while True:

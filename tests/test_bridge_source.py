@@ -28,7 +28,7 @@ from gateway.store.tokens import IDS, LOGPROBS
 from tests.support.gateway import ADMIN_KEY
 from tests.support.postgres import fresh_database
 from tests.support.sequences import Seq
-from trainer_bridge import deliveries as leases
+from trainer_bridge import deliveries
 from trainer_bridge.advantages import group_advantages
 from trainer_bridge.samples import ROLLOUT_TOKENS_METRIC
 from trainer_bridge.source import (
@@ -240,9 +240,9 @@ async def test_a_claim_takes_the_whole_group_or_nothing(lease_pool):
         async with holder.transaction():
             # Another bridge in the middle of delivering one of the rows.
             await holder.execute("SELECT 1 FROM rollouts WHERE id = $1 FOR UPDATE", ids[0])
-            claim = leases.claim_group(other, "B", "g-all", match, 30)
+            claim = deliveries.claim_group(other, "B", "g-all", match, 30)
             assert await asyncio.wait_for(claim, 10) is None  # skipped, not waited for
-        claimed = await leases.claim_group(other, "B", "g-all", match, 30)
+        claimed = await deliveries.claim_group(other, "B", "g-all", match, 30)
     assert sorted(r["id"] for r in claimed) == sorted(ids)
     assert all(r["delivery_attempts"] == 1 for r in claimed)
 
@@ -252,25 +252,25 @@ async def test_a_lease_runs_out_and_its_old_owner_changes_nothing(lease_pool):
     ids = await _rollouts(lease_pool, "g-lease", 2, match, traces=[_trace([1, 1])])
     entries = [(rid, 0, "trained") for rid in ids]
     async with lease_pool.acquire() as conn:
-        assert len(await leases.claim_group(conn, "A", "g-lease", match, 1.0)) == 2
-        [pending] = await leases.pending_groups(conn, match)
+        assert len(await deliveries.claim_group(conn, "A", "g-lease", match, 1.0)) == 2
+        [pending] = await deliveries.pending_groups(conn, match)
         assert pending["leased"] and pending["ready"] == 2
-        assert await leases.claim_group(conn, "B", "g-lease", match, 30) is None
+        assert await deliveries.claim_group(conn, "B", "g-lease", match, 30) is None
         deadline = time.monotonic() + 20
-        while (await leases.pending_groups(conn, match))[0]["leased"]:
+        while (await deliveries.pending_groups(conn, match))[0]["leased"]:
             assert time.monotonic() < deadline, "the lease never ran out"
             await asyncio.sleep(0.2)
-        claimed = await leases.claim_group(conn, "B", "g-lease", match, 30)
+        claimed = await deliveries.claim_group(conn, "B", "g-lease", match, 30)
         assert [r["delivery_attempts"] for r in claimed] == [2, 2]
-        with pytest.raises(leases.LeaseLost):
-            await leases.release_group(conn, "A", dict.fromkeys(ids, 0.5), [], [])
-        await leases.release_group(conn, "B", dict.fromkeys(ids, 0.5), [], [])
-        assert await leases.renew(conn, "A", ids, 30) == set()
-        assert await leases.renew(conn, "B", ids, 30) == set(ids)
+        with pytest.raises(deliveries.LeaseLost):
+            await deliveries.release_group(conn, "A", dict.fromkeys(ids, 0.5), [], [])
+        await deliveries.release_group(conn, "B", dict.fromkeys(ids, 0.5), [], [])
+        assert await deliveries.renew(conn, "A", ids, 30) == set()
+        assert await deliveries.renew(conn, "B", ids, 30) == set(ids)
         # A trained them after all (its lease ran out mid-step): logged as such, not consumed.
-        assert await leases.acknowledge(conn, "A", 3, entries) == set(ids)
-        assert await leases.acknowledge(conn, "B", 1, entries) == set()
-        assert await leases.acknowledge(conn, "B", 1, entries) == set(ids)  # a retry: no row
+        assert await deliveries.acknowledge(conn, "A", 3, entries) == set(ids)
+        assert await deliveries.acknowledge(conn, "B", 1, entries) == set()
+        assert await deliveries.acknowledge(conn, "B", 1, entries) == set(ids)  # a retry: no row
         rows = await conn.fetch("SELECT lease_owner, consumed_at, advantage FROM rollouts"
                                 " WHERE id = ANY($1)", ids)
         assert all(r["lease_owner"] == "B" and r["consumed_at"] and r["advantage"] == 0.5
@@ -278,7 +278,7 @@ async def test_a_lease_runs_out_and_its_old_owner_changes_nothing(lease_pool):
         log = await conn.fetch("SELECT owner, step, leased FROM deliveries WHERE rollout_id ="
                                " ANY($1) ORDER BY id", ids)
         assert [tuple(r) for r in log] == [("A", 3, False)] * 2 + [("B", 1, True)] * 2
-        assert await leases.pending_groups(conn, match) == []
+        assert await deliveries.pending_groups(conn, match) == []
 
 
 async def test_a_rollout_is_consumed_once_every_trace_is_delivered(lease_pool):
@@ -286,14 +286,14 @@ async def test_a_rollout_is_consumed_once_every_trace_is_delivered(lease_pool):
     [rid] = await _rollouts(lease_pool, "g-traces", 1, match,
                             traces=[_trace([1, 1]), _trace([1]), _trace([2])])
     async with lease_pool.acquire() as conn:
-        await leases.claim_group(conn, "A", "g-traces", match, 30)
-        await leases.release_group(conn, "A", {rid: 0.0}, [], [(rid, 2, "too_long")])
-        assert len((await leases.undelivered_traces(conn, [rid]))[rid]) == 2
-        await leases.acknowledge(conn, "A", 1, [(rid, 0, "trained")])
+        await deliveries.claim_group(conn, "A", "g-traces", match, 30)
+        await deliveries.release_group(conn, "A", {rid: 0.0}, [], [(rid, 2, "too_long")])
+        assert len((await deliveries.undelivered_traces(conn, [rid]))[rid]) == 2
+        await deliveries.acknowledge(conn, "A", 1, [(rid, 0, "trained")])
         assert not await conn.fetchval("SELECT consumed_at FROM rollouts WHERE id = $1", rid)
-        [(idx, _)] = (await leases.undelivered_traces(conn, [rid]))[rid]
+        [(idx, _)] = (await deliveries.undelivered_traces(conn, [rid]))[rid]
         assert idx == 1
-        await leases.acknowledge(conn, "A", 2, [(rid, 1, "stale")])
+        await deliveries.acknowledge(conn, "A", 2, [(rid, 1, "stale")])
         assert await conn.fetchval("SELECT consumed_at FROM rollouts WHERE id = $1", rid)
 
 
@@ -301,9 +301,9 @@ async def test_a_released_claim_is_free_at_once(lease_pool):
     match = {"run": uuid.uuid4().hex}
     ids = await _rollouts(lease_pool, "g-release", 2, match)
     async with lease_pool.acquire() as conn:
-        await leases.claim_group(conn, "A", "g-release", match, 600)
-        await leases.release(conn, "A", ids)
-        assert len(await leases.claim_group(conn, "B", "g-release", match, 600)) == 2
+        await deliveries.claim_group(conn, "A", "g-release", match, 600)
+        await deliveries.release(conn, "A", ids)
+        assert len(await deliveries.claim_group(conn, "B", "g-release", match, 600)) == 2
 
 
 async def test_pending_groups_know_late_members_and_filter_on_metadata(lease_pool):
@@ -312,7 +312,7 @@ async def test_pending_groups_know_late_members_and_filter_on_metadata(lease_poo
     await _rollouts(lease_pool, "g-new", 2, match)
     await _rollouts(lease_pool, "g-other", 2, {"run": "another run"})
     async with lease_pool.acquire() as conn:
-        pending = {r["group_key"]: r for r in await leases.pending_groups(conn, match)}
+        pending = {r["group_key"]: r for r in await deliveries.pending_groups(conn, match)}
     assert set(pending) == {"g-late", "g-new"}
     assert pending["g-late"]["released"] and pending["g-late"]["ready"] == 1
     assert not pending["g-new"]["released"] and pending["g-new"]["ready"] == 2
