@@ -13,6 +13,7 @@ from gateway.auth import check_admin, hash_key, new_rollout_key
 from gateway.continuation import counts as continuation_counts
 from gateway.finalize import merge_rollout
 from gateway.protocols.errors import GatewayError
+from gateway.relay import sampling_policy
 from gateway.services import Services
 from gateway.store import calls as calls_store
 from gateway.store import rollouts as rollouts_store
@@ -181,7 +182,9 @@ async def set_policy(request: web.Request) -> web.Response:
 @routes.get("/admin/policy")
 async def get_policy(request: web.Request) -> web.Response:
     svc = _services(request)
-    return _json({"version": svc.policy_version})
+    return _json(
+        {"version": svc.policy_version, "sampling": sampling_policy(svc.config.temperature)}
+    )
 
 
 @routes.get("/admin/rollouts/{rollout_id}/traces")

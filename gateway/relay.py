@@ -47,11 +47,11 @@ _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 
 
-def pin_sampling(body: dict, temperature: float, upstream_path: str) -> tuple[dict, dict]:
-    """Moves the harness's sampling fields out of `body` and sets the policy's; returns
-    (requested, applied)."""
-    requested = {k: body.pop(k) for k in SAMPLING_KEYS if k in body}
-    applied: dict[str, Any] = {
+def sampling_policy(temperature: float) -> dict[str, Any]:
+    """The sampling every call is pinned to: the training policy's temperature over the whole
+    distribution (no truncation, no penalties). Published in `GET /admin/policy`, where the
+    trainer bridge checks it against its own before it trains on a single token."""
+    return {
         "temperature": temperature,
         "top_p": 1.0,
         "top_k": 0,
@@ -60,6 +60,13 @@ def pin_sampling(body: dict, temperature: float, upstream_path: str) -> tuple[di
         "frequency_penalty": 0.0,
         "repetition_penalty": 1.0,
     }
+
+
+def pin_sampling(body: dict, temperature: float, upstream_path: str) -> tuple[dict, dict]:
+    """Moves the harness's sampling fields out of `body` and sets the policy's; returns
+    (requested, applied)."""
+    requested = {k: body.pop(k) for k in SAMPLING_KEYS if k in body}
+    applied = sampling_policy(temperature)
     body.update(applied)
     body["return_token_ids"] = True
     if upstream_path.endswith("/chat/completions"):

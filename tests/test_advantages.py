@@ -1,6 +1,9 @@
+import asyncio
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from trainer_bridge.advantages import group_advantages, rollout_loss_weights
@@ -69,11 +72,38 @@ def test_invariant_to_affine_reward_shift(rewards, shift, scale):
     )
 
 
-def test_matches_trl_builtin_worker_on_an_example():
-    # (r - mean) / (std + 1e-8) over [1, 0, 1], population std, None -> 0.
-    adv = group_advantages([1.0, None, 0.0, 1.0])
-    m, s = 2 / 3, np.sqrt(2 / 9)
-    np.testing.assert_allclose(adv, [(1 - m) / s, 0.0, (0 - m) / s, (1 - m) / s], rtol=1e-6)
+def _trl_advantages(rewards: list[float | None]) -> list[float]:
+    """The advantages TRL's built-in async rollout worker gives one group with these rewards:
+    its own `_score_group`, run on a group whose reward function returns them."""
+    from accelerate import PartialState
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, _AsyncRolloutLoop
+
+    PartialState()  # TRL's logger needs it, as in the worker's own process
+
+    def given_rewards(**_):
+        return list(rewards)
+
+    # Only the scoring half of the worker is needed: no model server, no dataset.
+    loop = object.__new__(_AsyncRolloutLoop)
+    loop.reward_funcs, loop.reward_func_names = [given_rewards], ["given"]
+    loop._env_reward_types = []
+    n = len(rewards)
+    sequence = SimpleNamespace(input_ids=[1, 2], completion_mask=[0, 1], old_log_probs=[0, -1])
+    group = RolloutGroup(
+        prompts=[[]] * n, reward_kwargs={}, completions=[[]] * n, completions_ids=[[2]] * n,
+        completions_sequences=[[sequence]] * n, tool_call_counts=[0] * n,
+        tool_failure_counts=[0] * n, model_version=0, group_id=0, env_rewards=[None] * n,
+        rollout_rewards=[None] * n,
+    )
+    samples = asyncio.run(loop._score_group(group))
+    return [s.advantage for s in samples]
+
+
+@settings(deadline=None)  # the first example imports TRL
+@given(group)
+def test_matches_trl_builtin_worker(rewards):
+    expected = _trl_advantages(rewards)
+    np.testing.assert_allclose(group_advantages(rewards), expected, rtol=1e-6, atol=1e-6)
 
 
 @given(st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=5), min_size=1, max_size=8))

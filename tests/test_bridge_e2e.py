@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import asyncpg
@@ -263,3 +266,135 @@ def test_toy_task_training_raises_the_reward(untied_model, replicas, training_ga
     # The replicas serve the trained policy, both the same one.
     after = [_greedy(url) for url in replicas]
     assert after[0] == after[1] != before
+
+
+# -- exactly once, across crashes -----------------------------------------------------------
+
+# Each point kills the bridge the Nth time it gets there (SIGKILL, no cleanup): after a claim;
+# after samples reached the trainer's queue; inside an optimizer step's micro-batch; after
+# `optimizer.step()` and before the step is acknowledged in the delivery log. A step takes about
+# 3 samples and a claim 4, so the sixth claim and put come a few steps in: every run trains
+# something and leaves groups half trained.
+CRASHES = [("after_claim", 6), ("after_put", 6), ("during_step", 2), ("after_step", 2)]
+
+
+async def _run_state(database_url: str, run: str) -> tuple[dict, list]:
+    """Per rollout of the run: (consumed, trainable traces); and the run's delivery log."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        rollouts = await conn.fetch(
+            "SELECT r.id, r.consumed_at IS NOT NULL AS consumed,"
+            " (SELECT count(*) FROM traces t WHERE t.rollout_id = r.id AND NOT t.excluded)"
+            " AS traces FROM rollouts r"
+            " WHERE r.metadata @> jsonb_build_object('run', $1::text) AND r.merged_at IS NOT NULL",
+            run)
+        log = await conn.fetch(
+            "SELECT d.rollout_id, d.idx, d.outcome, d.owner, d.step, d.leased FROM deliveries d"
+            " JOIN rollouts r ON r.id = d.rollout_id"
+            " WHERE r.metadata @> jsonb_build_object('run', $1::text) ORDER BY d.id", run)
+    finally:
+        await conn.close()
+    return {r["id"]: (r["consumed"], r["traces"]) for r in rollouts}, log
+
+
+def _crash_runs(command, env, tmp_path, database_url, run, trained_per_run) -> None:
+    """One bridge per crash point, each killed there; what the log holds after each."""
+    for point, nth in CRASHES:
+        out = tmp_path / point
+        log_path = tmp_path / f"{point}.log"
+        with log_path.open("w") as log:
+            bridge = subprocess.Popen(
+                [*command, "--output-dir", str(out)], cwd=REPO, stdout=log,
+                stderr=subprocess.STDOUT, env={**env, "ROLLTAP_CRASH_AT": f"{point}:{nth}"})
+        try:
+            code = bridge.wait(timeout=400)
+        except subprocess.TimeoutExpired:
+            bridge.kill()
+            pytest.fail(f"the bridge never reached {point}:\n{log_path.read_text()[-4000:]}")
+        assert code == -signal.SIGKILL, log_path.read_text()[-4000:]
+        _, delivered = asyncio.run(_run_state(database_url, run))
+        trained_per_run.append((point, sum(d["outcome"] == "trained" for d in delivered)))
+
+
+def test_a_bridge_killed_at_every_seam_trains_every_rollout_exactly_once(
+    untied_model, replicas, training_gateway, database_url, tmp_path
+):
+    run = uuid.uuid4().hex[:12]
+    task = ToyTask(training_gateway.url, ADMIN_KEY, TINY_MODEL_NAME, untied_model,
+                   metadata={"run": run})
+    groups, size = 6, 4
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda g: task.play_group(f"{run}-{g}", size), range(groups)))
+    initial, _ = asyncio.run(_run_state(database_url, run))
+    assert len(initial) == groups * size
+    # New groups keep coming throughout, as in a real run: a bridge never runs dry before it
+    # reaches its crash point, and the last one's micro-batches keep filling. The bridges take
+    # groups oldest first, so the ones recorded above go first.
+    stop = threading.Event()
+    driver = threading.Thread(target=run_toy_rollouts, args=(task,),
+                              kwargs={"group_size": size, "stop": stop}, daemon=True)
+    driver.start()
+    command = [
+        sys.executable, "-m", "trainer_bridge.cli", "bridge",
+        "--model", str(untied_model), "--gateway", training_gateway.url,
+        "--vllm", replicas[0], "--vllm", replicas[1], "--database-url", database_url,
+        "--num-generations", str(size), "--max-steps", "1000", "--learning-rate", "1e-5",
+        # About 3 toy samples a step (a shared prompt of ~270 tokens and 8 sampled each), so a
+        # group spans steps and every crash point lands between the steps of one group.
+        "--token-budget", "300", "--queue-size", "6", "--lease-seconds", "3",
+        # Restarts count versions anew: the rollouts recorded before must not go stale.
+        "--max-staleness", "1000000", "--max-attempts", "100", "--threads", "1",
+        "--match", f"run={run}",
+    ]
+    env = {**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY}
+    trained_per_run = []
+    try:
+        _crash_runs(command, env, tmp_path, database_url, run, trained_per_run)
+    except BaseException:
+        stop.set()
+        driver.join(timeout=120)
+        task.close()
+        raise
+
+    # The last bridge is not killed: it trains on until every rollout recorded before the
+    # crashes is consumed.
+    log_path = tmp_path / "final.log"
+    with log_path.open("w") as log:
+        bridge = subprocess.Popen([*command, "--output-dir", str(tmp_path / "final")], cwd=REPO,
+                                  stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            state, delivered = asyncio.run(_run_state(database_url, run))
+            if all(state[rid][0] for rid in initial):
+                break
+            assert bridge.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, (
+                f"not all delivered:\n{log_path.read_text()[-4000:]}")
+            time.sleep(1)
+    finally:
+        stop.set()
+        bridge.send_signal(signal.SIGTERM)
+        try:
+            bridge.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            bridge.kill()
+        driver.join(timeout=120)
+        task.close()
+    state, delivered = asyncio.run(_run_state(database_url, run))
+
+    # The delivery log: every trace of every rollout recorded before the crashes trained
+    # exactly once, under its bridge's lease; and no trace of the run is in it twice.
+    times = Counter((d["rollout_id"], d["idx"]) for d in delivered)
+    assert max(times.values()) == 1, [k for k, n in times.items() if n > 1]
+    assert all(d["leased"] for d in delivered)
+    for rollout_id, (_, traces) in initial.items():
+        rows = [d for d in delivered if d["rollout_id"] == rollout_id]
+        assert sorted(d["idx"] for d in rows) == list(range(traces))
+        assert {d["outcome"] for d in rows} == {"trained"} and state[rollout_id][0]
+    owners = Counter(d["owner"] for d in delivered if d["rollout_id"] in initial)
+    assert len(owners) >= 3  # the work was split across crashed bridges and the last one
+    counts = [n for _, n in trained_per_run]
+    assert counts == sorted(counts) and counts[-1] > 0
+    print(f"\ntrained in the delivery log after each crash: {trained_per_run}; "
+          f"initial rollouts trained by {len(owners)} bridges: {sorted(owners.values())}")

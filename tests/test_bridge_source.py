@@ -1,6 +1,8 @@
-"""The rollout source: release decisions and sample building (pure), leases on Postgres, and
-exactly-once delivery of rollouts recorded by the real gateway from the real vLLM, with two
-bridges on one database and with a bridge killed mid-run and replaced."""
+"""The rollout source: release decisions, sample building and the staleness mask (pure); leases,
+releases, acknowledgements, retries and quarantine on Postgres; and exactly-once delivery of
+rollouts recorded by the real gateway from the real vLLM, with two bridges on one database and
+with a bridge killed mid-run and replaced. (The real trainer killed at every seam of a step is
+in test_bridge_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -21,20 +23,24 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.store import leases
 from gateway.store.db import open_pool
+from gateway.store.tokens import IDS, LOGPROBS
 from tests.support.gateway import ADMIN_KEY
 from tests.support.postgres import fresh_database
 from tests.support.sequences import Seq
+from trainer_bridge import deliveries
 from trainer_bridge.advantages import group_advantages
 from trainer_bridge.samples import ROLLOUT_TOKENS_METRIC
 from trainer_bridge.source import (
+    DELIVERY_KEY,
     Release,
     RolloutSource,
     SourceConfig,
     build_group,
     decide,
     group_number,
+    mask_stale,
+    plan_release,
 )
 from trainer_bridge.toy_task import ToyTask
 
@@ -54,14 +60,15 @@ def test_release_decision(ready, waited, released, g, deadline, partial):
                           partial_groups=partial)
     decision = decide(ready, waited, released, config)
     if released:
-        assert decision is Release.LATE
+        assert decision is Release.REDELIVER
     elif ready >= g:
         assert decision is Release.COMPLETE
     elif waited < deadline:
         assert decision is Release.WAIT
     else:
         assert decision is (Release.PARTIAL if partial == "train" else Release.EXPIRED)
-    assert decision.trains == (decision in (Release.COMPLETE, Release.PARTIAL))
+    assert decision.trains == (decision in (Release.COMPLETE, Release.PARTIAL,
+                                            Release.REDELIVER))
 
 
 @given(st.text(max_size=80), st.text(max_size=80))
@@ -93,33 +100,35 @@ def rollout(draw):
     return member, seqs
 
 
-@given(st.lists(rollout(), min_size=1, max_size=6), st.integers(10, 20), st.integers(0, 6))
-def test_group_samples_share_their_rollouts_advantage(rollouts, trainer_version, staleness):
-    members = [m for m, _ in rollouts]
-    traces = {m["id"]: seqs for m, seqs in rollouts}
-    config = SourceConfig("", num_generations=4, token_budget=30, max_staleness=staleness,
-                          version_offset=10)
-    batch = build_group(members, traces, group_id=7, config=config,
-                        trainer_version=trainer_version)
-    advantages = group_advantages([m["reward"] for m in members])
-    expected = []
-    for member, advantage in zip(members, advantages):
-        for seq in traces[member["id"]]:
+@given(st.lists(rollout(), min_size=1, max_size=6))
+def test_group_samples_share_their_rollouts_advantage(rollouts):
+    members = [{**m, "released_at": None, "advantage": None} for m, _ in rollouts]
+    traces = {m["id"]: list(enumerate(seqs)) for m, seqs in rollouts}
+    config = SourceConfig("", num_generations=4, token_budget=30, version_offset=10)
+    advantages, dropped = plan_release(members, Release.COMPLETE, config)
+    assert dropped == []
+    batch = build_group(members, advantages, traces, group_id=7, config=config)
+    expected_adv = group_advantages([m["reward"] for m in members])
+    expected, skipped = [], []
+    for member, advantage in zip(members, expected_adv):
+        for idx, seq in traces[member["id"]]:
             if len(seq.input_ids) > 30:
+                skipped.append((member["id"], idx, "too_long"))
                 continue
-            version = int(seq.versions[seq.loss_mask.astype(bool)].min()) - 10
-            if trainer_version - version <= staleness:
-                expected.append((advantage, version, member["reward"]))
+            version = int(seq.versions[seq.loss_mask.astype(bool)].max()) - 10
+            expected.append((advantage, version, member["reward"], member["id"], idx))
     got = [(s.advantage, s.model_version, s.metrics["reward"]) for s in batch.samples]
-    assert len(got) == len(expected)
-    for (adv, version, reward), (g_adv, g_version, g_reward) in zip(expected, got):
-        assert g_adv == pytest.approx(adv) and g_version == version
-        assert g_reward == reward or (reward is None and np.isnan(g_reward))
+    assert len(got) == len(expected) == len(batch.pending)
+    for (adv, version, reward, rid, idx), g, out in zip(expected, got, batch.pending):
+        assert g[0] == pytest.approx(adv) and g[1] == version
+        assert g[2] == reward or (reward is None and np.isnan(g[2]))
+        assert (out.rollout_id, out.idx) == (rid, idx)
+    assert batch.skipped == skipped
     assert all(s.group_id == 7 for s in batch.samples)
     # One trained-token count per rollout, whatever its sequences (rollout-level loss weights).
     assert all(s.metrics[ROLLOUT_TOKENS_METRIC] > 0 for s in batch.samples)
     assert batch.counts["rollouts"] == len(members)
-    assert batch.counts["stale"] + batch.counts["samples"] + batch.counts["too_long"] == sum(
+    assert batch.counts["samples"] + batch.counts["too_long"] == sum(
         len(seqs) for _, seqs in rollouts)
     assert batch.metrics["rollout/group_size"] == len(members)
     assert batch.metrics["rollout/drift_rate"] == (
@@ -128,6 +137,48 @@ def test_group_samples_share_their_rollouts_advantage(rollouts, trainer_version,
     scored = [m["reward"] for m in members if m["reward"] is not None]
     if scored:
         assert batch.metrics["rollout/reward_mean"] == pytest.approx(np.mean(scored))
+
+
+def test_a_released_group_keeps_its_advantages_and_its_newcomers_are_late():
+    old = [{"id": uuid.uuid4(), "reward": r, "released_at": "then", "advantage": a}
+           for r, a in ((1.0, 0.7), (0.0, -0.7))]
+    new = {"id": uuid.uuid4(), "reward": 1.0, "released_at": None, "advantage": None}
+    config = SourceConfig("", num_generations=2, token_budget=30)
+    # Whatever a stale look at the group decided, the stored release wins.
+    for decision in (Release.COMPLETE, Release.REDELIVER, Release.EXPIRED):
+        advantages, dropped = plan_release([*old, new], decision, config)
+        assert advantages == {old[0]["id"]: 0.7, old[1]["id"]: -0.7}
+        assert dropped == [new["id"]]
+    advantages, dropped = plan_release([new], Release.EXPIRED, config)
+    assert advantages == {} and dropped == [new["id"]]
+
+
+def test_a_rollout_trains_by_its_trace_mask_so_flagged_calls_stay_out():
+    """The merge zeroes the loss mask over calls it flagged (constrained sampling, incomplete
+    capture); the other calls of the same sequence train."""
+    mask = np.array([0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1], np.uint8)  # call 2's reply: zeroed
+    flagged = np.zeros(12, bool)
+    flagged[7:10] = True  # what call 2 sampled
+    seq = Seq(np.arange(12, dtype=np.int32), mask,
+              np.where(mask | flagged, -0.5, 0).astype(np.float32),
+              np.where(mask | flagged, 3, -1).astype(np.int32))
+    member = {"id": uuid.uuid4(), "reward": 1.0, "merge_stats": {}}
+    config = SourceConfig("", num_generations=1, token_budget=64)
+    batch = build_group([member], {member["id"]: 1.0}, {member["id"]: [(0, seq)]}, group_id=1,
+                        config=config)
+    [sample] = batch.samples
+    np.testing.assert_array_equal(sample.completion_mask, mask)
+    assert not sample.completion_mask[flagged].any()
+    assert np.all(sample.old_log_probs[flagged] == 0)
+
+
+@given(st.integers(0, 8), st.integers(0, 30), st.data())
+def test_stale_tokens_are_masked_and_fresh_ones_kept(max_staleness, trainer_version, data):
+    versions = np.array(data.draw(st.lists(st.integers(-1, 30), min_size=1, max_size=40)))
+    mask = (versions >= 0).astype(np.int64)
+    keep = mask_stale(mask, versions, trainer_version, max_staleness)
+    for m, v, k in zip(mask, versions, keep):
+        assert k == (bool(m) and trainer_version - v <= max_staleness)
 
 
 # -- leases on Postgres (rows written directly: these tests are about the lease logic) -------
@@ -147,18 +198,39 @@ async def lease_pool(lease_database):
     await pool.close()
 
 
-async def _rollouts(pool, group: str, n: int, match: dict, consumed: int = 0) -> list:
-    """`n` finished, merged rollouts of one group, the first `consumed` already consumed."""
+async def _rollouts(pool, group: str, n: int, match: dict, consumed: int = 0,
+                    traces: list | None = None) -> list:
+    """`n` finished, merged rollouts of one group, the first `consumed` already consumed (and
+    released); each with the merged sequences `traces` (none by default)."""
     ids = [uuid.uuid4() for _ in range(n)]
     async with pool.acquire() as conn:
         await conn.executemany(
             "INSERT INTO rollouts (id, key_hash, group_id, metadata, status, reward, finished_at,"
-            " merged_at, merge_stats, consumed_at)"
-            " VALUES ($1, $2, $3, $4, 'finished', 1.0, now(), now(), '{}',"
-            "         CASE WHEN $5 THEN now() END)",
-            [(i, os.urandom(16), group, match, k < consumed) for k, i in enumerate(ids)],
+            " merged_at, merge_stats, consumed_at, released_at)"
+            " VALUES ($1, $2, $3, $4, 'finished', $6, now(), now(), '{}',"
+            "         CASE WHEN $5 THEN now() END, CASE WHEN $5 THEN now() END)",
+            [(i, os.urandom(16), group, match, k < consumed, float(k % 2))
+             for k, i in enumerate(ids)],
+        )
+        await conn.executemany(
+            "INSERT INTO traces (rollout_id, idx, input_ids, loss_mask, logprobs, versions,"
+            " call_ids, cause, auxiliary, excluded)"
+            " VALUES ($1, $2, $3, $4, $5, $6, '{}', 'root', false, false)",
+            [(rid, idx, seq.input_ids.astype(IDS).tobytes(),
+              seq.loss_mask.astype(np.uint8).tobytes(), seq.logprobs.astype(LOGPROBS).tobytes(),
+              seq.versions.astype(IDS).tobytes())
+             for rid in ids for idx, seq in enumerate(traces or [])],
         )
     return ids
+
+
+def _trace(versions, n_context: int = 3) -> Seq:
+    """A sequence: `n_context` context tokens, then one sampled token per entry of `versions`."""
+    n = n_context + len(versions)
+    mask = np.r_[np.zeros(n_context, np.uint8), np.ones(len(versions), np.uint8)]
+    return Seq(np.arange(n, dtype=np.int32) + 5, mask,
+               np.where(mask, -0.25, 0).astype(np.float32),
+               np.r_[np.full(n_context, -1), versions].astype(np.int32))
 
 
 async def test_a_claim_takes_the_whole_group_or_nothing(lease_pool):
@@ -168,47 +240,70 @@ async def test_a_claim_takes_the_whole_group_or_nothing(lease_pool):
         async with holder.transaction():
             # Another bridge in the middle of delivering one of the rows.
             await holder.execute("SELECT 1 FROM rollouts WHERE id = $1 FOR UPDATE", ids[0])
-            claim = leases.claim_group(other, "B", "g-all", match, 30)
+            claim = deliveries.claim_group(other, "B", "g-all", match, 30)
             assert await asyncio.wait_for(claim, 10) is None  # skipped, not waited for
-        claimed = await leases.claim_group(other, "B", "g-all", match, 30)
+        claimed = await deliveries.claim_group(other, "B", "g-all", match, 30)
     assert sorted(r["id"] for r in claimed) == sorted(ids)
+    assert all(r["delivery_attempts"] == 1 for r in claimed)
 
 
-async def test_a_lease_runs_out_and_its_old_owner_cannot_consume(lease_pool):
+async def test_a_lease_runs_out_and_its_old_owner_changes_nothing(lease_pool):
     match = {"run": uuid.uuid4().hex}
-    ids = await _rollouts(lease_pool, "g-lease", 2, match)
+    ids = await _rollouts(lease_pool, "g-lease", 2, match, traces=[_trace([1, 1])])
+    entries = [(rid, 0, "trained") for rid in ids]
     async with lease_pool.acquire() as conn:
-        assert len(await leases.claim_group(conn, "A", "g-lease", match, 1.0)) == 2
-        [pending] = await leases.pending_groups(conn, match)
+        assert len(await deliveries.claim_group(conn, "A", "g-lease", match, 1.0)) == 2
+        [pending] = await deliveries.pending_groups(conn, match)
         assert pending["leased"] and pending["ready"] == 2
-        assert await leases.claim_group(conn, "B", "g-lease", match, 30) is None
+        assert await deliveries.claim_group(conn, "B", "g-lease", match, 30) is None
         deadline = time.monotonic() + 20
-        while (await leases.pending_groups(conn, match))[0]["leased"]:
+        while (await deliveries.pending_groups(conn, match))[0]["leased"]:
             assert time.monotonic() < deadline, "the lease never ran out"
             await asyncio.sleep(0.2)
-        assert len(await leases.claim_group(conn, "B", "g-lease", match, 30)) == 2
-        with pytest.raises(leases.LeaseLost):
-            async with conn.transaction():
-                await leases.consume(conn, "A", ids)
-        async with conn.transaction():
-            waited = await leases.consume(conn, "B", ids)
-        assert set(waited) == set(ids) and all(w >= 0 for w in waited.values())
-        with pytest.raises(leases.LeaseLost):  # once
-            async with conn.transaction():
-                await leases.consume(conn, "B", ids)
-        rows = await conn.fetch("SELECT lease_owner, consumed_at FROM rollouts WHERE id = ANY($1)",
-                                ids)
-        assert all(r["lease_owner"] == "B" and r["consumed_at"] for r in rows)
-        assert await leases.pending_groups(conn, match) == []
+        claimed = await deliveries.claim_group(conn, "B", "g-lease", match, 30)
+        assert [r["delivery_attempts"] for r in claimed] == [2, 2]
+        with pytest.raises(deliveries.LeaseLost):
+            await deliveries.release_group(conn, "A", dict.fromkeys(ids, 0.5), [], [])
+        await deliveries.release_group(conn, "B", dict.fromkeys(ids, 0.5), [], [])
+        assert await deliveries.renew(conn, "A", ids, 30) == set()
+        assert await deliveries.renew(conn, "B", ids, 30) == set(ids)
+        # A trained them after all (its lease ran out mid-step): logged as such, not consumed.
+        assert await deliveries.acknowledge(conn, "A", 3, entries) == set(ids)
+        assert await deliveries.acknowledge(conn, "B", 1, entries) == set()
+        assert await deliveries.acknowledge(conn, "B", 1, entries) == set(ids)  # a retry: no row
+        rows = await conn.fetch("SELECT lease_owner, consumed_at, advantage FROM rollouts"
+                                " WHERE id = ANY($1)", ids)
+        assert all(r["lease_owner"] == "B" and r["consumed_at"] and r["advantage"] == 0.5
+                   for r in rows)
+        log = await conn.fetch("SELECT owner, step, leased FROM deliveries WHERE rollout_id ="
+                               " ANY($1) ORDER BY id", ids)
+        assert [tuple(r) for r in log] == [("A", 3, False)] * 2 + [("B", 1, True)] * 2
+        assert await deliveries.pending_groups(conn, match) == []
+
+
+async def test_a_rollout_is_consumed_once_every_trace_is_delivered(lease_pool):
+    match = {"run": uuid.uuid4().hex}
+    [rid] = await _rollouts(lease_pool, "g-traces", 1, match,
+                            traces=[_trace([1, 1]), _trace([1]), _trace([2])])
+    async with lease_pool.acquire() as conn:
+        await deliveries.claim_group(conn, "A", "g-traces", match, 30)
+        await deliveries.release_group(conn, "A", {rid: 0.0}, [], [(rid, 2, "too_long")])
+        assert len((await deliveries.undelivered_traces(conn, [rid]))[rid]) == 2
+        await deliveries.acknowledge(conn, "A", 1, [(rid, 0, "trained")])
+        assert not await conn.fetchval("SELECT consumed_at FROM rollouts WHERE id = $1", rid)
+        [(idx, _)] = (await deliveries.undelivered_traces(conn, [rid]))[rid]
+        assert idx == 1
+        await deliveries.acknowledge(conn, "A", 2, [(rid, 1, "stale")])
+        assert await conn.fetchval("SELECT consumed_at FROM rollouts WHERE id = $1", rid)
 
 
 async def test_a_released_claim_is_free_at_once(lease_pool):
     match = {"run": uuid.uuid4().hex}
     ids = await _rollouts(lease_pool, "g-release", 2, match)
     async with lease_pool.acquire() as conn:
-        await leases.claim_group(conn, "A", "g-release", match, 600)
-        await leases.release(conn, "A", ids)
-        assert len(await leases.claim_group(conn, "B", "g-release", match, 600)) == 2
+        await deliveries.claim_group(conn, "A", "g-release", match, 600)
+        await deliveries.release(conn, "A", ids)
+        assert len(await deliveries.claim_group(conn, "B", "g-release", match, 600)) == 2
 
 
 async def test_pending_groups_know_late_members_and_filter_on_metadata(lease_pool):
@@ -217,10 +312,165 @@ async def test_pending_groups_know_late_members_and_filter_on_metadata(lease_poo
     await _rollouts(lease_pool, "g-new", 2, match)
     await _rollouts(lease_pool, "g-other", 2, {"run": "another run"})
     async with lease_pool.acquire() as conn:
-        pending = {r["group_key"]: r for r in await leases.pending_groups(conn, match)}
+        pending = {r["group_key"]: r for r in await deliveries.pending_groups(conn, match)}
     assert set(pending) == {"g-late", "g-new"}
     assert pending["g-late"]["released"] and pending["g-late"]["ready"] == 1
     assert not pending["g-new"]["released"] and pending["g-new"]["ready"] == 2
+
+
+class Drain:
+    """A trainer's side of a source: takes every sample off its queue and, like an optimizer
+    step of one sample, acknowledges it."""
+
+    def __init__(self, source: RolloutSource) -> None:
+        self.source = source
+        self.samples = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self):
+        self.source.start()
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                sample = self.source.rollout_buffer.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self.samples.append(sample)
+            self.source.acknowledge(len(self.samples), [int(sample.metrics[DELIVERY_KEY])])
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+        self.source.stop()
+
+
+async def _delivery_log(conn, match: dict) -> Counter:
+    """(rollout id, trace index, outcome) -> times logged, for the rollouts matching `match`."""
+    rows = await conn.fetch(
+        "SELECT d.rollout_id, d.idx, d.outcome FROM deliveries d JOIN rollouts r"
+        " ON r.id = d.rollout_id WHERE r.metadata @> $1", match)
+    return Counter((r["rollout_id"], r["idx"], r["outcome"]) for r in rows)
+
+
+def _db_config(database_url, match, **overrides) -> SourceConfig:
+    return SourceConfig(**{"database_url": database_url, "num_generations": 2,
+                           "token_budget": 64, "poll_interval_s": 0.2, "match": match,
+                           "max_staleness": 10**6, **overrides})
+
+
+async def _until_db(pool, probe, message: str, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while True:
+        async with pool.acquire() as conn:
+            if await probe(conn):
+                return
+        assert time.monotonic() < deadline, message
+        await asyncio.sleep(0.2)
+
+
+async def test_a_group_that_always_fails_is_quarantined_and_the_rest_flows(
+    lease_pool, lease_database
+):
+    match = {"run": uuid.uuid4().hex}
+    broken = _trace([1, 1])
+    broken.versions[-1] = -1  # a trained token without a policy version: cannot be a sample
+    bad = await _rollouts(lease_pool, "g-broken", 2, match, traces=[broken])
+    good = await _rollouts(lease_pool, "g-fine", 2, match, traces=[_trace([1, 2])])
+    drain = Drain(RolloutSource(_db_config(lease_database, match, max_attempts=3))).start()
+    try:
+        await _until_db(lease_pool, lambda c: c.fetchval(
+            "SELECT bool_and(quarantined_at IS NOT NULL) FROM rollouts WHERE id = ANY($1)", bad),
+            "the broken group was never quarantined")
+        await _until_db(lease_pool, lambda c: c.fetchval(
+            "SELECT bool_and(consumed_at IS NOT NULL) FROM rollouts WHERE id = ANY($1)", good),
+            "the good group was not delivered")
+    finally:
+        drain.stop()
+    stats = drain.source.stats
+    assert stats["quarantined_groups"] == 1 and stats["failed_claims"] == 3
+    assert len(drain.samples) == 2
+    async with lease_pool.acquire() as conn:
+        assert await conn.fetchval(
+            "SELECT max(delivery_attempts) FROM rollouts WHERE id = ANY($1)", bad) == 4
+        assert sum((await _delivery_log(conn, match)).values()) == 2
+
+
+async def test_database_errors_are_retried_and_the_feeder_lives_on(lease_pool, lease_database):
+    match = {"run": uuid.uuid4().hex}
+    name = f"bridge-{match['run'][:8]}"
+    source = RolloutSource(_db_config(f"{lease_database}?application_name={name}", match))
+    drain = Drain(source).start()
+    first = await _rollouts(lease_pool, "g-before", 2, match, traces=[_trace([1, 1])])
+    try:
+        await _until_db(lease_pool, lambda c: c.fetchval(
+            "SELECT bool_and(consumed_at IS NOT NULL) FROM rollouts WHERE id = ANY($1)", first),
+            "nothing delivered")
+        async with lease_pool.acquire() as conn:  # the source's connections die under it
+            killed = await conn.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name = $1", name)
+        assert killed >= 1
+        then = await _rollouts(lease_pool, "g-after", 2, match, traces=[_trace([1, 1])])
+        await _until_db(lease_pool, lambda c: c.fetchval(
+            "SELECT bool_and(consumed_at IS NOT NULL) FROM rollouts WHERE id = ANY($1)", then),
+            "nothing delivered after the connections died")
+        source.check_health(60)
+    finally:
+        drain.stop()
+    assert len(drain.samples) == 4
+    async with lease_pool.acquire() as conn:
+        log = await _delivery_log(conn, match)
+    assert sorted(log.values()) == [1, 1, 1, 1]
+
+
+async def test_a_rollout_spanning_many_syncs_trains_its_fresh_tokens(lease_pool, lease_database):
+    """Twelve sampled tokens from versions 1..12, taken by a trainer at version 12 that allows
+    4 versions of staleness: TRL's own queue reader keeps the sample, the stale tokens are out of
+    its mask, the fresh ones in."""
+    from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
+
+    match = {"run": uuid.uuid4().hex}
+    versions = np.arange(1, 13)
+    [rid] = await _rollouts(lease_pool, "g-long", 1, match, traces=[_trace(versions)])
+    source = RolloutSource(_db_config(lease_database, match, num_generations=1, max_staleness=4))
+    source.update_model_version(12)
+    source.start()
+    metrics = defaultdict(list)
+    reader = RolloutQueueDataset(source.rollout_buffer, lambda: 12, source.check_health, 60,
+                                 metrics, max_staleness=4, poll_interval_s=0.5)
+    try:
+        taken = next(iter(reader))
+        source.acknowledge(1, [int(taken["metrics"].pop(DELIVERY_KEY))])
+    finally:
+        source.stop()
+    trained = taken["completion_mask"].astype(bool)
+    np.testing.assert_array_equal(trained[3:], versions >= 8)
+    assert not trained[:3].any() and not metrics["sample/dropped_stale_total"]
+    assert np.all(taken["old_log_probs"][3:][versions < 8] == 0)
+    assert source.stats["stale_tokens"] == 7 and source.stats["trained_samples"] == 1
+    async with lease_pool.acquire() as conn:
+        assert await _delivery_log(conn, match) == Counter({(rid, 0, "trained"): 1})
+
+
+async def test_a_sample_with_no_fresh_token_left_is_put_aside(lease_pool, lease_database):
+    match = {"run": uuid.uuid4().hex}
+    [rid] = await _rollouts(lease_pool, "g-stale", 1, match, traces=[_trace([1, 2])])
+    source = RolloutSource(_db_config(lease_database, match, num_generations=1, max_staleness=2))
+    source.update_model_version(10)
+    source.start()
+    try:
+        with pytest.raises(queue.Empty):
+            source.rollout_buffer.get(timeout=3)
+        source.acknowledge(1, [])
+    finally:
+        source.stop()
+    async with lease_pool.acquire() as conn:
+        assert await _delivery_log(conn, match) == Counter({(rid, 0, "stale"): 1})
+        assert await conn.fetchval("SELECT consumed_at FROM rollouts WHERE id = $1", rid)
 
 
 # -- the source against the real gateway and vLLM -------------------------------------------
@@ -237,35 +487,6 @@ def _config(database_url, run, **overrides) -> SourceConfig:
         "max_staleness": 10**6,  # this test trains nothing; versions do not matter here
         **overrides,
     })
-
-
-class Drain:
-    """A trainer's side of a source: takes every sample off its queue."""
-
-    def __init__(self, source: RolloutSource) -> None:
-        self.source = source
-        self.samples = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self):
-        self.source.start()
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            try:
-                self.samples.append(self.source.rollout_buffer.get(timeout=0.1))
-            except queue.Empty:
-                continue
-
-    def stop(self):
-        self.source.stop()
-        self._stop.set()
-        self._thread.join()
-        while not self.source.rollout_buffer.empty():
-            self.samples.append(self.source.rollout_buffer.get())
 
 
 def _toy(gateway, vllm_server, tiny_model_dir, run) -> ToyTask:
@@ -379,15 +600,23 @@ async def test_a_killed_bridge_is_replaced_without_loss_or_repeat(
             replacement.stop()
         task.close()
         await conn.close()
-    owners = Counter(owner for _, owner, _ in rows.values())
-    assert set(owners) == {first, second}
-    # Each toy rollout is one trainable sequence: the replacement delivered exactly the
-    # rollouts the killed bridge had not consumed, whole groups, none of the first's groups.
+    conn = await asyncpg.connect(database_url)
+    try:
+        log = await conn.fetch(
+            "SELECT d.rollout_id, d.owner, d.outcome FROM deliveries d JOIN rollouts r"
+            " ON r.id = d.rollout_id WHERE r.metadata @> jsonb_build_object('run', $1::text)",
+            run)
+    finally:
+        await conn.close()
+    # Each toy rollout is one trainable sequence: the log holds each exactly once, trained by
+    # the killed bridge or by its replacement, and the replacement trained exactly the ones the
+    # killed bridge had not acknowledged.
+    assert sorted(Counter(r["rollout_id"] for r in log).values()) == [1] * (groups * size)
+    assert set(rows) == {r["rollout_id"] for r in log}
+    owners = Counter(r["owner"] for r in log)
+    assert set(owners) == {first, second} and {r["outcome"] for r in log} == {"trained"}
     assert len(replacement.samples) == owners[second]
-    first_groups = {group_number(g) for g, o, _ in rows.values() if o == first}
-    assert not first_groups & set(_by_group(replacement.samples))
-    assert all(n == size for n in _by_group(replacement.samples).values())
-    print(f"\nconsumed before the kill: {owners[first]}, after: {owners[second]}")
+    print(f"\ntrained before the kill: {owners[first]}, after: {owners[second]}")
 
 
 async def _until(probe, done, message: str, timeout: float = 120):
@@ -487,8 +716,9 @@ async def test_notify_wakes_the_source_and_polling_covers_a_lost_listener(
 
 
 def test_check_health_raises_once_the_feeder_died():
+    # Connection refused, again and again: retried for db_give_up_s, then the feeder fails.
     source = RolloutSource(SourceConfig("postgresql://postgres@127.0.0.1:1/nothing",
-                                        num_generations=2, token_budget=64))
+                                        num_generations=2, token_budget=64, db_give_up_s=1.0))
     with pytest.raises(RuntimeError, match="not running"):
         source.check_health(60)
     source.start()

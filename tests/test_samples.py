@@ -1,4 +1,5 @@
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -59,15 +60,16 @@ def test_arrays_as_the_trainer_reads_them(seq, advantage, group_id):
 
 
 @given(sequences(min_len=4, trained=3))
-def test_model_version_is_the_oldest_trained_token(seq):
+def test_model_version_is_the_newest_trained_token(seq):
     trained = seq.loss_mask != 0
     trained[0] = False
     seq.versions[~trained] = -1  # a first token's version, if any, must not count
     sample = to_rollout_sample(seq, advantage=0.0, group_id=0, rollout_trained_tokens=3)
-    assert sample.model_version == seq.versions[trained].min()
+    # TRL drops a sample whose model_version is stale: only one with no fresh token left.
+    assert sample.model_version == seq.versions[trained].max()
 
 
-def test_model_version_ignores_context_and_picks_the_straddling_minimum():
+def test_model_version_ignores_context_and_picks_the_straddling_maximum():
     seq = Seq(
         input_ids=np.arange(6, dtype=np.int32),
         loss_mask=np.array([0, 0, 1, 1, 0, 1], dtype=np.uint8),
@@ -77,7 +79,7 @@ def test_model_version_ignores_context_and_picks_the_straddling_minimum():
         call_ids=np.zeros(6, dtype=np.int64),
     )
     assert (
-        to_rollout_sample(seq, advantage=1, group_id=0, rollout_trained_tokens=3).model_version == 4
+        to_rollout_sample(seq, advantage=1, group_id=0, rollout_trained_tokens=3).model_version == 5
     )
 
 
@@ -144,9 +146,11 @@ def test_unscorable_reward_is_logged_nan_and_text_becomes_messages():
     st.lists(sequences(max_len=40), min_size=1, max_size=6), st.integers(1, 40), st.floats(-2, 2)
 )
 def test_rollout_skips_and_counts_never_truncates(seqs, max_tokens, advantage):
-    samples, skipped = rollout_samples(
+    samples, reasons = rollout_samples(
         seqs, advantage=advantage, group_id=5, max_tokens=max_tokens, reward=0.5
     )
+    assert reasons == [skip_reason(s, max_tokens) for s in seqs]
+    skipped = Counter(reasons)
     too_long = [s for s in seqs if len(s.input_ids) > max_tokens]
     untrained = [s for s in seqs if len(s.input_ids) <= max_tokens and not s.loss_mask[1:].any()]
     kept = [s for s in seqs if skip_reason(s, max_tokens) is None]

@@ -19,9 +19,10 @@ from trl.experimental.async_grpo.packing import TreeRow
 
 from tests.support.sequences import Seq
 from trainer_bridge.advantages import group_advantages
+from trainer_bridge.config import BridgeConfig
 from trainer_bridge.samples import ROLLOUT_TOKENS_METRIC, rollout_samples
 from trainer_bridge.tiny_model import VOCAB_SIZE, write_tiny_model
-from trainer_bridge.trainer import RolloutWeightCollator, make_trainer
+from trainer_bridge.trainer import RolloutWeightCollator, make_trainer, tis_weights
 
 TOKEN_BUDGET = 256
 # The tiny model starts near uniform, so a sampled token's log-probability is about -log(V).
@@ -118,10 +119,10 @@ class SyntheticRolloutWorker:
         for seqs, advantage, reward in zip(
             rollouts, group_advantages(rewards), rewards, strict=True
         ):
-            samples, skips = rollout_samples(
+            samples, reasons = rollout_samples(
                 seqs, advantage=advantage, group_id=group_id, max_tokens=TOKEN_BUDGET, reward=reward
             )
-            skipped += sum(skips.values())
+            skipped += sum(reason is not None for reason in reasons)
             for sample in samples:
                 sample.enqueued_at = time.time()
                 while not self._stop.is_set():
@@ -162,18 +163,10 @@ class NoOpWeightTransfer:
 def test_trains_on_cpu_and_syncs_after_every_step(tiny_model, tmp_path, loss_normalization):
     steps = 3
     worker, transfer = SyntheticRolloutWorker(), NoOpWeightTransfer()
-    trainer = make_trainer(
-        tiny_model,
-        rollout_worker=worker,
-        weight_transfer=transfer,
-        output_dir=tmp_path / "out",
-        max_steps=steps,
-        token_budget=TOKEN_BUDGET,
-        loss_normalization=loss_normalization,
-        learning_rate=1e-4,
-        save_strategy="no",
-        report_to="none",
-    )
+    config = BridgeConfig(model=str(tiny_model), output_dir=tmp_path / "out", max_steps=steps,
+                          token_budget=TOKEN_BUDGET, loss_normalization=loss_normalization,
+                          learning_rate=1e-4)
+    trainer = make_trainer(config, rollout_worker=worker, weight_transfer=transfer)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
 
     t0 = time.perf_counter()
@@ -229,19 +222,32 @@ def _rollout_batch(collator, rollouts):
     return collator([[row]])
 
 
+def _policy_logprobs(model, batch):
+    """The model's log-probability of every loss term of a collated batch (its tree forward)."""
+    max_q, max_k = batch["tree_max_seqlens"][0].tolist()
+    out = model(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        shift_labels=batch["shift_labels"],
+        fused_lm_head=True,
+        tree_kv_index=batch["tree_kv_index"][0],
+        tree_cu_seqlens_q=batch["tree_cu_seqlens_q"][0],
+        tree_cu_seqlens_k=batch["tree_cu_seqlens_k"][0],
+        tree_max_seqlen_q=max_q,
+        tree_max_seqlen_k=max_k,
+    )
+    return out.log_probs.flatten()[batch["token_index"]]
+
+
 def test_rollout_normalisation_weighs_every_rollout_the_same(tiny_model, tmp_path):
     """With the old log-probs equal to the model's own, every ratio is 1 and a token's loss is
     -A: the token mean is -sum_t A_t / N, the rollout mean -sum_r A_r / R, whatever the rollouts'
     lengths and sequence counts."""
     trainer = make_trainer(
-        tiny_model,
+        BridgeConfig(model=str(tiny_model), output_dir=tmp_path / "out", max_steps=1,
+                     token_budget=TOKEN_BUDGET, loss_normalization="rollout"),
         rollout_worker=SyntheticRolloutWorker(),
         weight_transfer=NoOpWeightTransfer(),
-        output_dir=tmp_path / "out",
-        max_steps=1,
-        token_budget=TOKEN_BUDGET,
-        loss_normalization="rollout",
-        report_to="none",
     )
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, VOCAB_SIZE, 12)
@@ -258,21 +264,8 @@ def test_rollout_normalisation_weighs_every_rollout_the_same(tiny_model, tmp_pat
     ]
     collator = RolloutWeightCollator(DataCollatorForRollout(trainer.processing_class.pad_token_id))
     batch = _rollout_batch(collator, rollouts)
-
-    max_q, max_k = batch["tree_max_seqlens"][0].tolist()
     with torch.no_grad():
-        out = trainer.model(
-            input_ids=batch["input_ids"],
-            position_ids=batch["position_ids"],
-            shift_labels=batch["shift_labels"],
-            fused_lm_head=True,
-            tree_kv_index=batch["tree_kv_index"][0],
-            tree_cu_seqlens_q=batch["tree_cu_seqlens_q"][0],
-            tree_cu_seqlens_k=batch["tree_cu_seqlens_k"][0],
-            tree_max_seqlen_q=max_q,
-            tree_max_seqlen_k=max_k,
-        )
-    batch["old_log_probs"] = out.log_probs.flatten()[batch["token_index"]]
+        batch["old_log_probs"] = _policy_logprobs(trainer.model, batch)
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop on every step
 
     rollout_loss = trainer.compute_loss(trainer.model, batch)
@@ -305,3 +298,59 @@ def test_rollout_weights_need_the_rollout_size():
     )
     with pytest.raises(ValueError, match=ROLLOUT_TOKENS_METRIC):
         collator([[row]])
+
+
+def test_tis_weights_by_hand():
+    trainer = torch.tensor([-1.0, -2.0, -0.5, -3.0, -0.1])
+    recorded = torch.tensor([-1.0, -1.0, -1.5, -2.0, -3.1])
+    # exp(0) = 1; exp(-1) = 0.3679; exp(1) = 2.7183 -> cap 2; exp(-1); exp(3) = 20.09 -> cap 2
+    expected = [1.0, 0.36787944, 2.0, 0.36787944, 2.0]
+    np.testing.assert_allclose(tis_weights(trainer, recorded, 2.0).numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(tis_weights(trainer, recorded, 5.0)[2].item(), math.e, rtol=1e-6)
+
+
+def test_tis_loss_is_the_policy_gradient_weighted_per_token(tiny_model, tmp_path):
+    """With TIS on, the gradient of TRL's loss is that of -sum_t w_t A_t lp_t / N, with
+    w_t = min(C, exp(lp_t - recorded_t)); the weights are logged."""
+    cap = 1.5
+    trainer = make_trainer(
+        BridgeConfig(model=str(tiny_model), output_dir=tmp_path / "out", max_steps=1,
+                     token_budget=TOKEN_BUDGET, importance_sampling="tis", tis_cap=cap),
+        rollout_worker=SyntheticRolloutWorker(),
+        weight_transfer=NoOpWeightTransfer(),
+    )
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, VOCAB_SIZE, 10)
+    rollouts = [
+        rollout_samples([synthetic_sequence(rng, prompt, [12, 3, 9], 0)], advantage=adv,
+                        group_id=0, max_tokens=TOKEN_BUDGET)[0]
+        for adv in (1.0, -0.5)
+    ]
+    batch = _rollout_batch(DataCollatorForRollout(trainer.processing_class.pad_token_id),
+                           rollouts)
+    model = trainer.model
+    with torch.no_grad():
+        own = _policy_logprobs(model, batch).flatten()
+    # Recorded logprobs off from the trainer's by known amounts: some weights capped, some not.
+    offsets = torch.from_numpy(rng.uniform(-1.0, 1.0, own.shape)).float()
+    batch["old_log_probs"] = (own + offsets).view(1, -1)
+    weights = tis_weights(own, own + offsets, cap)
+    assert (weights == cap).any() and (weights < 1).any()
+    trainer.current_gradient_accumulation_steps = 1
+
+    model.zero_grad()
+    trainer.compute_loss(model, batch).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad()
+    advantages = batch["advantages"][batch["token_index"] >= 0]
+    logprobs = _policy_logprobs(model, batch).flatten()
+    expected_loss = -(weights * advantages * logprobs).sum() / len(own)
+    expected_loss.backward()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-7)
+    logged = trainer._metrics["train"]
+    assert logged["tis/weight_mean"][-1] == pytest.approx(weights.mean().item(), rel=1e-5)
+    capped = (offsets < -math.log(cap)).sum().item()
+    assert logged["tis/capped_frac"][-1] == (capped, float(len(own)))

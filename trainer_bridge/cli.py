@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 DESCRIPTION = """Train MODEL with TRL's AsyncGRPO trainer on the rollouts the gateway recorded.
 
@@ -47,102 +46,16 @@ Example (CPU, an untied copy of the tiny model):
       --threads 1"""
 
 
-def _key_value(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
-
-
 def register(subparsers) -> None:
-    env = os.environ.get
+    from trainer_bridge.config import BridgeConfig
+
     parser = subparsers.add_parser(
         "bridge",
         help="train on recorded rollouts with TRL's AsyncGRPO; push weights and versions back",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    where = parser.add_argument_group("where things are")
-    where.add_argument("--model", required=True, metavar="PATH",
-                       help="model directory to train (the one vLLM serves)")
-    where.add_argument("--vllm", action="append", required=True, metavar="URL",
-                       help="a vLLM replica to push weights to, e.g. http://127.0.0.1:8000; "
-                       "repeat for several (nccl: exactly one)")
-    where.add_argument("--gateway", action="append", required=True, metavar="URL",
-                       help="a gateway to tell the new policy version; repeat for several")
-    where.add_argument("--admin-key", default=env("ROLLTAP_ADMIN_KEY"), metavar="KEY",
-                       help="the gateways' admin key (env ROLLTAP_ADMIN_KEY)")
-    where.add_argument("--database-url", default=env("ROLLTAP_DATABASE_URL"), metavar="DSN",
-                       help="the gateways' Postgres (env ROLLTAP_DATABASE_URL); without it, the "
-                       "embedded Postgres in --data-dir")
-    where.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
-                       help="the gateway's data directory holding its embedded Postgres (env "
-                       "ROLLTAP_DATA_DIR; default: the gateway's default)")
-    where.add_argument("--output-dir", type=Path, default=Path("runs/bridge"), metavar="DIR",
-                       help="trainer output, progress.jsonl and summary.json (default "
-                       "%(default)s)")
-    where.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
-                       help="disk sync: where checkpoints are written for the replicas to load; "
-                       "must be the same path on their machines (default OUTPUT_DIR/weights)")
-
-    train = parser.add_argument_group("training")
-    train.add_argument("--num-generations", type=int, default=8, metavar="G",
-                       help="rollouts per group (per task); a group is trained when G of them "
-                       "finished (default %(default)s)")
-    train.add_argument("--max-steps", type=int, required=True, metavar="N",
-                       help="optimizer steps to train; each is followed by a weight push")
-    train.add_argument("--learning-rate", type=float, default=1e-6, metavar="LR",
-                       help="AdamW learning rate, constant (default %(default)s)")
-    train.add_argument("--loss-normalization", choices=("token", "rollout"), default="token",
-                       help="token: TRL's loss, every trained token weighs the same; rollout: "
-                       "every rollout weighs the same whatever its length and sequence count "
-                       "(default %(default)s)")
-    train.add_argument("--no-std-scaling", action="store_true",
-                       help="advantage = reward - group mean, not divided by the group's std")
-    train.add_argument("--token-budget", type=int, default=16384, metavar="N",
-                       help="tokens per micro-batch row; longer sequences are skipped and "
-                       "counted, never truncated (default %(default)s)")
-    train.add_argument("--max-staleness", type=int, default=4, metavar="N",
-                       help="drop samples more than N policy versions old (default %(default)s)")
-    train.add_argument("--set", dest="overrides", action="append", default=[],
-                       type=_key_value, metavar="KEY=VALUE",
-                       help="any other AsyncGRPOConfig field, VALUE as JSON or text, e.g. "
-                       "--set gradient_accumulation_steps=4 --set seed=1; repeatable")
-
-    groups = parser.add_argument_group("rollouts and groups")
-    groups.add_argument("--group-deadline", type=float, default=600.0, metavar="S",
-                        help="seconds after a group's first rollout finished until it is "
-                        "released incomplete (default %(default)s)")
-    groups.add_argument("--partial-groups", choices=("train", "drop"), default="train",
-                        help="what an incomplete group at its deadline becomes (default "
-                        "%(default)s)")
-    groups.add_argument("--match", dest="match", action="append", default=[], type=_key_value,
-                        metavar="KEY=VALUE",
-                        help="only rollouts whose metadata has KEY=VALUE (VALUE as JSON or "
-                        "text); repeatable")
-    groups.add_argument("--queue-size", type=int, default=64, metavar="N",
-                        help="claim new groups only while fewer than N samples wait for the "
-                        "trainer (default %(default)s)")
-    groups.add_argument("--lease-seconds", type=float, default=60.0, metavar="S",
-                        help="how long a claimed group stays this bridge's if it dies before "
-                        "delivering it (default %(default)s)")
-    groups.add_argument("--poll-interval", type=float, default=2.0, metavar="S",
-                        help="seconds between looks at the database when no notification "
-                        "arrives (default %(default)s)")
-
-    train.add_argument("--threads", type=int, metavar="N",
-                       help="CPU threads for the trainer (default: torch's choice); on a CPU "
-                       "shared with vLLM, 1 keeps the two from stalling each other")
-
-    weights = parser.add_argument_group("weights")
-    weights.add_argument("--weight-sync", choices=("disk", "nccl"), default="disk",
-                         help="how new weights reach vLLM (see above; default %(default)s)")
-    weights.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
-                         help="disk sync: newest checkpoints kept; the last is the trained "
-                         "model (default %(default)s)")
+    BridgeConfig.add_arguments(parser, required=("model", "vllm", "gateway", "max_steps"))
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved configuration (device, precision, trainer "
                         "fields, weight sync) as JSON and exit without connecting to anything")
@@ -156,40 +69,20 @@ def training_device(weight_sync: str, cuda: bool) -> str:
     return "gpu" if cuda or weight_sync == "nccl" else "cpu"
 
 
-def resolved_config(args: argparse.Namespace, device: str) -> dict:
-    """What the run would use, secrets left out: the trainer's fields as given to
-    `make_trainer`, and where rollouts come from and weights go."""
-    from trainer_bridge.trainer import device_defaults
+def resolved_config(config, device: str) -> dict:
+    """What the run would use, secrets and the database address left out: the trainer's
+    fields, and where rollouts come from and weights go."""
+    from trainer_bridge.trainer import trainer_fields
 
     return {
-        "model": str(args.model),
+        "model": str(config.model),
         "device": device,
-        "weight_sync": args.weight_sync,
-        "vllm": args.vllm,
-        "gateways": args.gateway,
-        "trainer": {
-            "output_dir": str(args.output_dir),
-            "max_steps": args.max_steps,
-            "token_budget": args.token_budget,
-            "loss_normalization": args.loss_normalization,
-            "learning_rate": args.learning_rate,
-            "max_staleness": args.max_staleness,
-            **device_defaults(device),
-            **_trainer_fields(args),
-        },
-        "checkpoint_dir": str(args.checkpoint_dir or args.output_dir / "weights")
-        if args.weight_sync == "disk" else None,
-    }
-
-
-def _trainer_fields(args: argparse.Namespace) -> dict:
-    return {
-        "num_generations": args.num_generations,
-        "vllm_server_base_url": args.vllm[0],
-        "save_strategy": "no",
-        "report_to": "none",
-        "disable_tqdm": True,
-        **dict(args.overrides),
+        "weight_sync": config.weight_sync,
+        "vllm": config.vllm,
+        "gateways": config.gateway,
+        "trainer": trainer_fields(config, device),
+        "checkpoint_dir": str(config.checkpoint_dir or config.output_dir / "weights")
+        if config.weight_sync == "disk" else None,
     }
 
 
@@ -213,47 +106,68 @@ def _interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def _database_url(args: argparse.Namespace) -> str:
-    if args.database_url:
-        return args.database_url
+def _database_url(config) -> str:
+    if config.database_url:
+        return config.database_url
     from gateway.config import default_data_dir
     from gateway.store.db import start_embedded
 
-    data_dir = args.data_dir or Path(os.environ.get("ROLLTAP_DATA_DIR") or default_data_dir())
+    data_dir = config.data_dir or default_data_dir()
     print(f"rolltap bridge: no --database-url; using the embedded Postgres in {data_dir}",
           flush=True)
     return start_embedded(data_dir)
 
 
+def _trainer_sampling(config) -> dict[str, float]:
+    """The sampling the trainer will train under: AsyncGRPOConfig's defaults, the bridge's
+    temperature, and any `--set` of them."""
+    import dataclasses
+
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from trainer_bridge.policy import trainer_sampling
+
+    defaults = {f.name: f.default for f in dataclasses.fields(AsyncGRPOConfig)}
+    return trainer_sampling({**defaults, "temperature": config.temperature, **config.overrides})
+
+
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    device = training_device(args.weight_sync, torch.cuda.is_available())
+    from trainer_bridge.config import BridgeConfig
+
+    try:
+        config = BridgeConfig.from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    device = training_device(config.weight_sync, torch.cuda.is_available())
     if args.print_config:
-        print(json.dumps(resolved_config(args, device), indent=2), flush=True)
+        print(json.dumps(resolved_config(config, device), indent=2), flush=True)
         return 0
     _offline(device)
-    if not args.admin_key:
+    if not config.admin_key:
         print("error: --admin-key (or ROLLTAP_ADMIN_KEY) is required", file=sys.stderr)
         return 2
-    if args.weight_sync == "nccl":
+    if config.weight_sync == "nccl":
         if not torch.cuda.is_available():
             print("error: --weight-sync nccl needs CUDA (TRL's NCCL transfer runs between GPUs); "
                   "use --weight-sync disk on this machine", file=sys.stderr)
             return 2
-        if len(args.vllm) != 1:
+        if len(config.vllm) != 1:
             print("error: --weight-sync nccl talks to exactly one vLLM; use --weight-sync disk "
                   "for several replicas", file=sys.stderr)
             return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if config.threads:
+        torch.set_num_threads(config.threads)
     _interrupt_on_sigterm()
 
     from transformers import AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
 
+    from trainer_bridge.policy import SamplingMismatch, check_sampling
     from trainer_bridge.progress import Progress
-    from trainer_bridge.source import RolloutSource, SourceConfig
+    from trainer_bridge.source import RolloutSource
     from trainer_bridge.trainer import KernelUnavailable, make_trainer
     from trainer_bridge.weights import (
         DiskWeightSync,
@@ -265,69 +179,54 @@ def _run(args: argparse.Namespace) -> int:
         unsynced_upstreams,
     )
 
-    output_dir = args.output_dir
-    output_dir.mkdir(parents=True, exist_ok=True)
-    announcer = PolicyAnnouncer.from_gateways(args.gateway, args.admin_key)
-    for gateway, upstream in unsynced_upstreams(gateway_upstreams(args.gateway), args.vllm):
+    announcer = PolicyAnnouncer.from_gateways(config.gateway, config.admin_key)
+    try:
+        check_sampling(announcer.policies, _trainer_sampling(config))
+    except SamplingMismatch as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for gateway, upstream in unsynced_upstreams(gateway_upstreams(config.gateway), config.vllm):
         print(f"warning: gateway {gateway} routes to {upstream}, which is not a --vllm of this "
               "bridge: unless it is one of them under another name, it keeps its weights while "
               "its tokens get the new versions", file=sys.stderr, flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    output_dir = config.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
     source = RolloutSource(
-        SourceConfig(
-            database_url=_database_url(args),
-            num_generations=args.num_generations,
-            token_budget=args.token_budget,
-            group_deadline_s=args.group_deadline,
-            partial_groups=args.partial_groups,
-            scale_std=not args.no_std_scaling,
-            max_staleness=args.max_staleness,
-            queue_size=args.queue_size,
-            lease_s=args.lease_seconds,
-            poll_interval_s=args.poll_interval,
-            match=dict(args.match),
-            version_offset=announcer.offset,
-        ),
+        config.source_config(_database_url(config), version_offset=announcer.offset),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
     )
     disk = None
-    if args.weight_sync == "disk":
+    if config.weight_sync == "disk":
         disk = DiskWeightSync(
-            args.model,
-            args.checkpoint_dir or output_dir / "weights",
-            args.vllm,
-            keep=args.keep_checkpoints,
+            config.model,
+            config.checkpoint_dir or output_dir / "weights",
+            config.vllm,
+            keep=config.keep_checkpoints,
         )
     try:
         trainer = make_trainer(
-            args.model,
+            config,
             rollout_worker=source,
-            # None: TRL builds its own NCCL transfer to the vLLM named below.
+            # None: TRL builds its own NCCL transfer to the vLLM named in the config.
             weight_transfer=VersionedTransfer(disk, announcer) if disk else None,
-            output_dir=output_dir,
-            max_steps=args.max_steps,
-            token_budget=args.token_budget,
-            loss_normalization=args.loss_normalization,
-            learning_rate=args.learning_rate,
-            max_staleness=args.max_staleness,
             processing_class=tokenizer,
-            **_trainer_fields(args),
         )
     except KernelUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if disk is None:
         trainer.weight_transfer = VersionedTransfer(
-            NcclWeightSync(trainer.weight_transfer, args.vllm[0]), announcer
+            NcclWeightSync(trainer.weight_transfer, config.vllm[0]), announcer
         )
     progress = Progress(source, trainer.weight_transfer, output_dir / "progress.jsonl")
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(progress)
 
-    print(f"rolltap bridge: training {args.model} for {args.max_steps} steps; rollouts from "
-          f"the database, groups of {args.num_generations}; versions from "
+    print(f"rolltap bridge: training {config.model} for {config.max_steps} steps; rollouts from "
+          f"the database, groups of {config.num_generations}; versions from "
           f"{announcer.offset + 1} on {len(announcer.gateways)} gateway(s); "
-          f"weights by {args.weight_sync} to {len(args.vllm)} vLLM replica(s)", flush=True)
+          f"weights by {config.weight_sync} to {len(config.vllm)} vLLM replica(s)", flush=True)
     started = time.monotonic()
     code = 0
     try:

@@ -58,7 +58,7 @@ class Progress(TrainerCallback):
             f"  reward {_fmt(reward)}  loss {_fmt(entry['loss'], '+.4f')}"
             f"  queue {entry['queue']:>3}  version {entry['version']}"
             f"  rollouts {self.source.stats['rollouts']}"
-            f"  stale dropped {int(logs.get('sample/dropped_stale_total') or 0)}"
+            f"  stale tokens {self.source.stats['stale_tokens']}"
             f"  {entry['elapsed_s']:.0f} s",
             flush=True,
         )
@@ -89,6 +89,11 @@ class Progress(TrainerCallback):
             f"dropped {stats.get('dropped_rollouts', 0)} rollouts in "
             f"{stats.get('dropped_groups', 0)} groups, {stats.get('stale', 0)} stale samples, "
             f"{stats.get('too_long', 0)} sequences over the token budget",
+            f"  delivery: {stats.get('trained_samples', 0)} samples logged as trained, "
+            f"{stats.get('stale_tokens', 0)} stale tokens masked, "
+            f"{stats.get('redelivered_groups', 0)} groups delivered again after a crash, "
+            f"{stats.get('quarantined_groups', 0)} quarantined, "
+            f"{stats.get('db_errors', 0)} database errors retried",
             f"  reward: first {_ENDS} steps {_fmt(summary['reward_first_steps'])}, "
             f"last {_ENDS} steps {_fmt(summary['reward_last_steps'])}",
             f"  policy versions {versions[0]}..{versions[-1]} announced to "

@@ -2,13 +2,17 @@
 
 TRL's trainer reads a sample as three arrays of the length of `input_ids`: int64 ids, an int64
 mask (1 = trained), float32 log-probabilities where the log-probability of token `i` sits at
-index `i` and context positions hold 0. Its `model_version` is compared with the trainer's version
-to drop stale samples, so it is the OLDEST policy version among the trained tokens: a sequence is
-as stale as its stalest sampled token.
+index `i` and context positions hold 0. Which tokens train is the trace's loss mask: the merge
+already left out context, auxiliary calls and the spans of calls it flagged (constrained
+sampling, incomplete capture), and everything it left in trains.
+
+TRL drops a whole sample whose `model_version` is more than `max_staleness` versions behind the
+trainer. A long rollout spans many versions, so `model_version` is the NEWEST version among the
+trained tokens: TRL then drops only samples with no fresh token left, and staleness is handled
+per token by the rollout source (trainer_bridge/source.py), which masks the stale ones.
 """
 
 import enum
-from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -86,7 +90,7 @@ def to_rollout_sample(
         completion_mask=trained.astype(np.int64),
         old_log_probs=np.where(trained, seq.logprobs, 0.0).astype(np.float32),
         advantage=float(advantage),
-        model_version=int(trained_versions.min()),
+        model_version=int(trained_versions.max()),
         group_id=int(group_id),
         metrics={
             "reward": float("nan") if reward is None else float(reward),
@@ -104,15 +108,12 @@ def rollout_samples(
     reward: float | None = None,
     prompt: str | None = None,
     completion: str | None = None,
-) -> tuple[list[RolloutSample], Counter[Skip]]:
-    """The samples of one rollout's sequences, all with the rollout's advantage; skip counts."""
-    kept, skipped = [], Counter()
-    for seq in sequences:
-        reason = skip_reason(seq, max_tokens)
-        if reason is None:
-            kept.append(seq)
-        else:
-            skipped[reason] += 1
+) -> tuple[list[RolloutSample], list[Skip | None]]:
+    """The samples of one rollout's sequences, all with the rollout's advantage, and per
+    sequence why it was skipped (None for each one that became a sample, in order)."""
+    sequences = list(sequences)
+    reasons = [skip_reason(seq, max_tokens) for seq in sequences]
+    kept = [seq for seq, reason in zip(sequences, reasons, strict=True) if reason is None]
     total = sum(int(trained_mask(seq).sum()) for seq in kept)
     samples = [
         to_rollout_sample(
@@ -126,4 +127,4 @@ def rollout_samples(
         )
         for seq in kept
     ]
-    return samples, skipped
+    return samples, reasons

@@ -1,18 +1,32 @@
-"""The rollout source: finished rollouts from Postgres into TRL's AsyncGRPO trainer queue.
+"""The rollout source: finished rollouts from Postgres into TRL's AsyncGRPO trainer, each trace
+taken into exactly one optimizer step.
 
 It is TRL's rollout worker (`RolloutWorkerProtocol`) without generation: harnesses generate
 through the gateway, the gateway merges each finished rollout into traces and announces it on
 `FINISHED_CHANNEL`. A feeder thread here wakes on that NOTIFY (or polls, should the listening
-connection drop), waits until a group is complete or past its deadline, claims it with a lease
-(gateway/store/leases.py), turns its trainable traces into `RolloutSample`s with group-relative
-advantages, and hands them to the trainer's queue in the same transaction that marks the
-rollouts consumed. Hand-over and consumption thus happen together: a bridge that dies before
-the commit leaves the rollouts to the next bridge, one that lost its lease hands over nothing.
+connection drop), waits until a group is complete or past its deadline, claims it with a lease,
+releases it (fixes its advantages in the database), and puts its samples on the trainer's queue.
+
+Delivery (trainer_bridge/deliveries.py holds the SQL): a sample is not delivered when it is
+queued but when an optimizer step has taken it. The trainer acknowledges each step's samples
+right after `optimizer.step()` (trainer_bridge/trainer.py); only then does the delivery log
+say so, and a rollout is consumed once all its traces are in the log. Until then the feeder
+renews the lease of every rollout with samples out. A crash before the acknowledgement leaves
+the rollouts to the next claim, which delivers again the traces not in the log, with the
+advantages fixed at release; a crash after it delivers nothing again. A sample is handed to
+the trainer only while its lease is confirmed for at least half its length, so a bridge cut
+off from the database stops training what another bridge may be about to claim. Transient
+database errors are retried with backoff; a group whose claims failed `max_attempts` times is
+quarantined (`rollouts.quarantined_at`) and reported.
+
+Staleness is per token, judged when the trainer takes a sample off the queue: trained tokens
+more than `max_staleness` versions behind the trainer are masked out of the loss, the rest of
+the sequence trains, and a sample with no fresh token left is put aside (logged 'stale').
 
 Versions: the trainer counts its pushes from 1 (the cold sync before training); the gateway
-stamps tokens with `version_offset` + that count (trainer_bridge/weights.py). A sample's
-`model_version` is brought back to the trainer's count, so TRL's staleness check compares like
-with like; tokens sampled before this run began come out at 0 or below, as stale as they are.
+stamps tokens with `version_offset` + that count (trainer_bridge/weights.py). Token versions are
+brought back to the trainer's count, so staleness compares like with like; tokens sampled before
+this run began come out at 0 or below, as stale as they are.
 """
 
 from __future__ import annotations
@@ -20,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -29,18 +44,21 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Literal
+from uuid import UUID
 
 import asyncpg
 import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from gateway.store import leases
 from gateway.store.db import open_pool
 from gateway.store.traces import FINISHED_CHANNEL
+from trainer_bridge import deliveries
 from trainer_bridge.advantages import group_advantages
+from trainer_bridge.faults import crash_point
 from trainer_bridge.samples import MergedSequence, Skip, rollout_samples, trained_mask
 
 log = logging.getLogger(__name__)
@@ -48,22 +66,28 @@ log = logging.getLogger(__name__)
 PartialGroups = Literal["train", "drop"]
 # How often a full trainer queue is looked at again: the trainer drains it without telling us.
 _ROOM_POLL_S = 0.2
+# The source's number for a sample, in `RolloutSample.metrics` (the one free-form field that
+# reaches TRL's collator); the trainer's collator takes it out before TRL logs the metrics.
+DELIVERY_KEY = "rolltap/delivery"
+_OUTCOME = {Skip.TOO_LONG: "too_long", Skip.NO_TRAINED_TOKENS: "untrained"}
 
 
 @dataclass(frozen=True)
 class SourceConfig:
     database_url: str
     num_generations: int
-    token_budget: int  # longer sequences are skipped and counted, never truncated
+    token_budget: int  # longer sequences are skipped and logged, never truncated
     group_deadline_s: float = 600.0  # from the first member's merge to releasing a partial group
     partial_groups: PartialGroups = "train"
     scale_std: bool = True  # divide advantages by the group's reward std
-    max_staleness: int = 4  # samples more versions behind than this are dropped, not queued
+    max_staleness: int = 4  # trained tokens more versions behind than this are masked out
     queue_size: int = 64  # new groups are claimed only while fewer samples wait in the queue
     lease_s: float = 60.0
     poll_interval_s: float = 2.0
     match: dict = field(default_factory=dict)  # only rollouts whose metadata contains this
     version_offset: int = 0  # gateway version = trainer version + offset
+    max_attempts: int = 5  # claims of a group before it is quarantined
+    db_give_up_s: float = 600.0  # database unreachable this long: the source fails
 
     def __post_init__(self) -> None:
         if self.num_generations < 1:
@@ -72,6 +96,8 @@ class SourceConfig:
             raise ValueError("partial_groups must be 'train' or 'drop'")
         if self.group_deadline_s < 0 or self.lease_s <= 0 or self.poll_interval_s <= 0:
             raise ValueError("group_deadline_s, lease_s and poll_interval_s must be positive")
+        if self.max_attempts < 1 or self.max_staleness < 0:
+            raise ValueError("max_attempts must be at least 1 and max_staleness at least 0")
 
 
 class Release(enum.Enum):
@@ -79,24 +105,43 @@ class Release(enum.Enum):
     COMPLETE = "complete"  # num_generations rollouts finished: train
     PARTIAL = "partial"  # deadline passed, partial groups are trained
     EXPIRED = "expired"  # deadline passed, partial groups are dropped
-    LATE = "late"  # members of a group that was already trained or dropped: dropped
+    REDELIVER = "redeliver"  # released before: its released members again, any others are late
 
     @property
     def trains(self) -> bool:
-        return self in (Release.COMPLETE, Release.PARTIAL)
+        return self is not Release.WAIT and self is not Release.EXPIRED
 
 
 def decide(ready: int, waited_s: float, released: bool, config: SourceConfig) -> Release:
     """What to do with a group's `ready` deliverable rollouts, the first merged `waited_s` ago."""
     if released:
-        # Its advantages were computed without these: training them now would give them
-        # statistics of their own. A group is one decision.
-        return Release.LATE
+        # Its advantages were fixed at release: the members released then train with them (a
+        # bridge died before their step); members that came later would need statistics of
+        # their own and are dropped. A group is one decision.
+        return Release.REDELIVER
     if ready >= config.num_generations:
         return Release.COMPLETE
     if waited_s < config.group_deadline_s:
         return Release.WAIT
     return Release.PARTIAL if config.partial_groups == "train" else Release.EXPIRED
+
+
+def plan_release(
+    members: Sequence[Mapping], decision: Release, config: SourceConfig
+) -> tuple[dict[UUID, float], list[UUID]]:
+    """Which claimed members train with which advantage, and which are dropped (pure).
+
+    Members released before keep their stored advantage, whatever was decided from a stale
+    look at the group; the others of a released group are late.
+    """
+    released = [m for m in members if m["released_at"] is not None]
+    if released or decision is Release.REDELIVER:
+        late = [m["id"] for m in members if m["released_at"] is None]
+        return {m["id"]: float(m["advantage"]) for m in released}, late
+    if not decision.trains:
+        return {}, [m["id"] for m in members]
+    advantages = group_advantages([m["reward"] for m in members], scale_std=config.scale_std)
+    return {m["id"]: float(a) for m, a in zip(members, advantages, strict=True)}, []
 
 
 def group_number(group_key: str) -> int:
@@ -106,74 +151,88 @@ def group_number(group_key: str) -> int:
 
 
 @dataclass
+class Pending:
+    """A sample out for delivery: its trace, and its trained tokens' versions in the trainer's
+    count (for the staleness mask when the trainer takes it)."""
+
+    rollout_id: UUID
+    idx: int
+    versions: np.ndarray
+    taken: bool = False
+
+
+@dataclass
 class GroupBatch:
     samples: list[RolloutSample]
+    pending: list[Pending]  # one per sample
+    skipped: list[tuple[UUID, int, deliveries.Outcome]]  # traces that will never train
     metrics: dict[str, float | tuple[float, float]]
     counts: Counter
 
 
 def build_group(
     members: Sequence[Mapping],
-    traces: Mapping[object, Sequence[MergedSequence]],
+    advantages: Mapping[UUID, float],
+    traces: Mapping[UUID, Sequence[tuple[int, MergedSequence]]],
     *,
     group_id: int,
     config: SourceConfig,
-    trainer_version: int,
     decode: Callable[[np.ndarray], str] | None = None,
 ) -> GroupBatch:
-    """Samples and metrics of one released group (pure).
+    """Samples and metrics of the members of one released group that train (pure).
 
-    `members` are the claimed rollouts (`id`, `reward`, `merge_stats`), `traces` their trainable
-    sequences. Advantages are per rollout, so a rollout merged into many sequences counts once in
-    the group's statistics; every sequence gets its rollout's advantage.
+    `members` are the claimed rollouts (`id`, `reward`, `merge_stats`) in `advantages`,
+    `traces` their undelivered trainable sequences with their indexes. Every sequence gets its
+    rollout's advantage, so a rollout merged into many sequences counts once in its group's
+    statistics.
     """
-    rewards = [m["reward"] for m in members]
-    advantages = group_advantages(rewards, scale_std=config.scale_std)
     samples: list[RolloutSample] = []
+    pending: list[Pending] = []
+    skipped: list[tuple[UUID, int, deliveries.Outcome]] = []
     counts: Counter = Counter(rollouts=len(members))
     sequences, drift, transitions = [], 0, 0
-    for member, advantage in zip(members, advantages, strict=True):
-        seqs = traces.get(member["id"], [])
+    for member in members:
+        indexed = traces.get(member["id"], [])
+        seqs = [seq for _, seq in indexed]
         sequences.append(len(seqs))
         stats = member["merge_stats"] or {}
         drift += stats.get("causes", {}).get("drift", 0)
         transitions += max(stats.get("calls", 0) - 1, 0)
         counts["unscorable"] += member["reward"] is None
         prompt, completion = _texts(seqs[0], decode) if seqs and decode else (None, None)
-        kept, skipped = rollout_samples(
+        kept, reasons = rollout_samples(
             seqs,
-            advantage=float(advantage),
+            advantage=advantages[member["id"]],
             group_id=group_id,
             max_tokens=config.token_budget,
             reward=member["reward"],
             prompt=prompt,
             completion=completion,
         )
-        counts["too_long"] += skipped[Skip.TOO_LONG]
-        counts["untrained"] += skipped[Skip.NO_TRAINED_TOKENS]
-        for sample in kept:
+        kept_seqs = iter(kept)
+        for (idx, seq), reason in zip(indexed, reasons, strict=True):
+            if reason is not None:
+                counts[_OUTCOME[reason]] += 1
+                skipped.append((member["id"], idx, _OUTCOME[reason]))
+                continue
+            sample = next(kept_seqs)
             sample.model_version -= config.version_offset
-            if trainer_version - sample.model_version > config.max_staleness:
-                counts["stale"] += 1
-            else:
-                samples.append(sample)
+            samples.append(sample)
+            versions = np.asarray(seq.versions, dtype=np.int64) - config.version_offset
+            pending.append(Pending(member["id"], idx, versions))
     counts["samples"] = len(samples)
-    scored = np.array([r for r in rewards if r is not None], dtype=np.float64)
-    staleness = [trainer_version - s.model_version for s in samples]
+    rewards = np.array([m["reward"] for m in members if m["reward"] is not None], np.float64)
     metrics: dict[str, float | tuple[float, float]] = {
-        "rollout/reward_mean": float(scored.mean()) if scored.size else math.nan,
-        "rollout/reward_std": float(scored.std()) if scored.size else math.nan,
+        "rollout/reward_mean": float(rewards.mean()) if rewards.size else math.nan,
+        "rollout/reward_std": float(rewards.std()) if rewards.size else math.nan,
         "rollout/group_size": float(len(members)),
-        "rollout/sequences_per_rollout": float(np.mean(sequences)),
+        "rollout/sequences_per_rollout": float(np.mean(sequences)) if sequences else math.nan,
         "rollout/drift_rate": (float(drift), float(transitions)),
-        "rollout/staleness_mean": float(np.mean(staleness)) if staleness else math.nan,
-        "rollout/staleness_max": float(max(staleness)) if staleness else math.nan,
         "rollout/unscorable_total": float(counts["unscorable"]),
         "rollout/too_long_sequences_total": float(counts["too_long"]),
         "rollout/untrained_sequences_total": float(counts["untrained"]),
-        "rollout/stale_samples_total": float(counts["stale"]),
     }
-    return GroupBatch(samples, metrics, counts)
+    return GroupBatch(samples, pending, skipped, metrics, counts)
 
 
 def _texts(seq: MergedSequence, decode: Callable[[np.ndarray], str]) -> tuple[str, str]:
@@ -183,12 +242,62 @@ def _texts(seq: MergedSequence, decode: Callable[[np.ndarray], str]) -> tuple[st
     return decode(ids[:first]), decode(ids[first:])
 
 
-class RolloutSource:
-    """TRL's rollout-worker protocol over the gateway's finished rollouts (see module doc).
+def mask_stale(
+    completion_mask: np.ndarray, versions: np.ndarray, trainer_version: int, max_staleness: int
+) -> np.ndarray:
+    """The trained tokens still fresh at `trainer_version` (pure): a token trains while it is at
+    most `max_staleness` versions behind."""
+    return (np.asarray(completion_mask) != 0) & (versions >= trainer_version - max_staleness)
 
-    `owner` names this bridge in leases (default: host, pid and a random suffix, so a restarted
-    bridge never mistakes a dead one's leases for its own). `decode` turns token ids into text
-    for TRL's sample logs. `stats` counts what was delivered and dropped, for summaries.
+
+class DeliveryQueue(queue.Queue):
+    """The trainer's sample queue: each sample taken off it passes `take` first, which may
+    change it (staleness mask) or put it aside (None), then the next one is looked at."""
+
+    def __init__(self, take: Callable[[RolloutSample], RolloutSample | None]) -> None:
+        super().__init__()
+        self._take = take
+
+    def get(self, block: bool = True, timeout: float | None = None) -> RolloutSample:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            sample = self._take(super().get(block, left))
+            if sample is not None:
+                return sample
+
+
+class _Backoff:
+    """Retry pacing for database errors: doubling pauses, and a give-up after `give_up_s` of
+    nothing but failures."""
+
+    def __init__(self, give_up_s: float) -> None:
+        self.give_up_s = give_up_s
+        self._failing_since: float | None = None
+        self._delay = 0.1
+
+    def ok(self) -> None:
+        self._failing_since, self._delay = None, 0.1
+
+    def failed(self, what: str, exc: BaseException) -> float:
+        """The pause before the next try; raises `exc` once failures lasted `give_up_s`."""
+        now = time.monotonic()
+        self._failing_since = self._failing_since or now
+        if now - self._failing_since >= self.give_up_s:
+            raise exc
+        delay, self._delay = self._delay, min(self._delay * 2, 5.0)
+        log.warning("%s failed (%s: %s); retrying in %.1f s", what, type(exc).__name__, exc, delay)
+        return delay
+
+
+class RolloutSource:
+    """TRL's rollout-worker protocol over the gateway's finished rollouts (see module doc), plus
+    `acknowledge(step, keys)`, which the trainer calls after each optimizer step.
+
+    `owner` names this bridge in leases and the delivery log (default: host, pid and a random
+    suffix, so a restarted bridge never mistakes a dead one's leases for its own). `decode`
+    turns token ids into text for TRL's sample logs. `stats` counts what was delivered and put
+    aside, for summaries.
     """
 
     def __init__(
@@ -202,8 +311,8 @@ class RolloutSource:
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.decode = decode
         # Unbounded on purpose: room is checked before a group is claimed, so handing over a
-        # claimed group never blocks while its transaction holds the rows.
-        self.rollout_buffer: queue.Queue[RolloutSample] = queue.Queue()
+        # released group never blocks.
+        self.rollout_buffer: DeliveryQueue = DeliveryQueue(self._take)
         self.metrics_queue: queue.Queue[dict] = queue.Queue()
         self.stats: Counter = Counter()
         self.model_version = 0
@@ -213,6 +322,15 @@ class RolloutSource:
         self._beat = time.time()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._pool: asyncpg.Pool | None = None
+        # Shared by the feeder thread and the trainer's thread (take, acknowledge).
+        self._lock = threading.Lock()
+        self._numbers = itertools.count()
+        self._pending: dict[int, Pending] = {}  # samples out, not acknowledged yet
+        self._put_aside: list[tuple[UUID, int, deliveries.Outcome]] = []  # logged at next ack
+        self._lease_until: dict[UUID, float] = {}  # monotonic time each lease is confirmed to
+        self._abandoned: set[UUID] = set()  # leases to give back once nothing of theirs is out
+        self._renewed_at = 0.0
 
     # -- TRL's RolloutWorkerProtocol ------------------------------------------------------------
 
@@ -245,6 +363,87 @@ class RolloutSource:
         if age > stale_after_s:
             raise RuntimeError(f"the rollout source is stuck: no heartbeat for {age:.0f} s")
 
+    # -- the trainer's side (its thread) --------------------------------------------------------
+
+    def _take(self, sample: RolloutSample) -> RolloutSample | None:
+        """The last look at a sample before the trainer batches it; None puts it aside."""
+        key = sample.metrics.get(DELIVERY_KEY)
+        if key is None:  # not one of ours to track
+            return sample
+        config = self.config
+        with self._lock:
+            out = self._pending.get(int(key))
+            if out is None:  # its rollout was abandoned while the sample waited
+                return None
+            if time.monotonic() > self._lease_until.get(out.rollout_id, 0.0) - config.lease_s / 2:
+                # The lease is not confirmed for the step to come: another bridge may claim the
+                # rollout before we could acknowledge. Leave it to whoever claims it next.
+                self._abandon(out.rollout_id)
+                self.stats["unconfirmed_lease_samples"] += 1
+                return None
+            keep = mask_stale(sample.completion_mask, out.versions, self.model_version,
+                              config.max_staleness)
+            trained = int(np.count_nonzero(sample.completion_mask))
+            if not keep.any():
+                del self._pending[int(key)]
+                self._put_aside.append((out.rollout_id, out.idx, "stale"))
+                self.stats["stale"] += 1
+                self.stats["stale_tokens"] += trained
+                self.metrics_queue.put({"rollout/stale_samples_total": 1.0,
+                                        "rollout/stale_tokens_total": float(trained)})
+                return None
+            out.taken = True
+        stale = trained - int(np.count_nonzero(keep))
+        if stale:
+            sample.completion_mask = keep.astype(np.int64)
+            sample.old_log_probs = np.where(keep, sample.old_log_probs, 0.0).astype(np.float32)
+            with self._lock:
+                self.stats["stale_tokens"] += stale
+            self.metrics_queue.put({"rollout/stale_tokens_total": float(stale)})
+        # The newest trained token: TRL then drops no sample that still has a fresh token.
+        sample.model_version = int(out.versions[keep].max())
+        return sample
+
+    def acknowledge(self, step: int, keys: Sequence[int]) -> None:
+        """Log that optimizer step `step` took the samples numbered `keys`: called by the
+        trainer after the step, it returns once the delivery log holds them (retrying through
+        database errors)."""
+        with self._lock:
+            entries = []
+            for key in keys:
+                out = self._pending.pop(int(key), None)
+                if out is not None:
+                    entries.append((out.rollout_id, out.idx, "trained"))
+            trained = len(entries)
+            entries += self._put_aside
+            self._put_aside = []
+        if not entries:
+            return
+        loop = self._loop
+        if loop is None or self._thread is None or not self._thread.is_alive():
+            # Nothing can log it: the next claim delivers these samples again.
+            raise RuntimeError(
+                f"cannot acknowledge step {step}: the rollout source is not running"
+            ) from self._error
+        lost = asyncio.run_coroutine_threadsafe(
+            self._retry(lambda conn: deliveries.acknowledge(conn, self.owner, step, entries),
+                        f"acknowledging step {step}"),
+            loop,
+        ).result()
+        with self._lock:
+            self.stats["trained_samples"] += trained
+            still_out = {p.rollout_id for p in self._pending.values()}
+            for rollout_id, _, _ in entries:
+                if rollout_id not in still_out:
+                    self._lease_until.pop(rollout_id, None)
+        if lost:
+            # Trained, but the lease had run out: another bridge may train these too. The
+            # delivery log marks them (leased = false).
+            log.error("step %d trained %d rollouts whose lease this bridge no longer held: %s",
+                      step, len(lost), ", ".join(sorted(map(str, lost))))
+            self.stats["trained_without_lease"] += len(lost)
+            self.metrics_queue.put({"rollout/trained_without_lease_total": float(len(lost))})
+
     # -- feeder thread --------------------------------------------------------------------------
 
     def _nudge(self) -> None:
@@ -265,7 +464,13 @@ class RolloutSource:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        pool = await open_pool(self.config.database_url, min_size=1, max_size=2)
+        backoff = _Backoff(self.config.db_give_up_s)
+        while self._pool is None:
+            try:
+                self._pool = await open_pool(self.config.database_url, min_size=1, max_size=3)
+            except deliveries.TRANSIENT as exc:
+                self._beat = time.time()
+                await asyncio.sleep(backoff.failed("connecting to the database", exc))
         listener = None
         try:
             while not self._stop.is_set():
@@ -274,16 +479,34 @@ class RolloutSource:
                     listener = await self._listen()
                 # Cleared before looking, so a NOTIFY that lands while we look runs us again.
                 self._wake.clear()
-                wait_s = await self._feed(pool)
-                timeout = min(wait_s, self.config.poll_interval_s)
+                try:
+                    await self._keep_leases()
+                    wait_s = await self._feed()
+                    backoff.ok()
+                except deliveries.TRANSIENT as exc:
+                    self.stats["db_errors"] += 1
+                    wait_s = backoff.failed("looking for rollouts", exc)
+                timeout = min(wait_s, self.config.poll_interval_s, self.config.lease_s / 4)
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 except TimeoutError:
                     pass
         finally:
+            await self._give_back()
             if listener is not None and not listener.is_closed():
                 await listener.close()
-            await pool.close()
+            await self._pool.close()
+
+    async def _retry(self, op: Callable[[asyncpg.Connection], Awaitable], what: str):
+        """`op` on a pooled connection, retried through transient database errors."""
+        backoff = _Backoff(self.config.db_give_up_s)
+        while True:
+            try:
+                async with self._pool.acquire() as conn:
+                    return await op(conn)
+            except deliveries.TRANSIENT as exc:
+                self.stats["db_errors"] += 1
+                await asyncio.sleep(backoff.failed(what, exc))
 
     async def _listen(self):
         """A connection that wakes the feeder on every finished rollout; None if it cannot be
@@ -296,15 +519,65 @@ class RolloutSource:
             log.warning("cannot LISTEN for finished rollouts (%s); polling instead", exc)
             return None
 
+    def _abandon(self, rollout_id: UUID) -> None:
+        """Stop delivering a rollout (lock held): its samples still queued are put aside, and its
+        lease is given back once none of its samples is in a step."""
+        self._abandoned.add(rollout_id)
+        for key in [k for k, p in self._pending.items()
+                    if p.rollout_id == rollout_id and not p.taken]:
+            del self._pending[key]
+
+    async def _keep_leases(self) -> None:
+        """Renew the lease of every rollout with samples out; give back abandoned ones."""
+        now = time.monotonic()
+        if now - self._renewed_at < self.config.lease_s / 4:
+            return
+        with self._lock:
+            out = {p.rollout_id for p in self._pending.values()}
+            renew = list(out - self._abandoned)
+            give_back = list(self._abandoned - out)
+        if renew:
+            async with self._pool.acquire() as conn:
+                held = await deliveries.renew(conn, self.owner, renew, self.config.lease_s)
+            with self._lock:
+                for rollout_id in renew:
+                    if rollout_id in held:
+                        self._lease_until[rollout_id] = now + self.config.lease_s
+                    else:
+                        self.stats["lease_lost"] += 1
+                        self._abandon(rollout_id)
+        if give_back:
+            async with self._pool.acquire() as conn:
+                await deliveries.release(conn, self.owner, give_back)
+            with self._lock:
+                self._abandoned.difference_update(give_back)
+                for rollout_id in give_back:
+                    self._lease_until.pop(rollout_id, None)
+        self._renewed_at = now
+
+    async def _give_back(self) -> None:
+        """On stop: leases of rollouts whose samples no step took go back at once, so the next
+        bridge need not wait them out (best effort; they run out anyway)."""
+        with self._lock:
+            out = list({p.rollout_id for p in self._pending.values()} | self._abandoned)
+        if not out or self._pool is None:
+            return
+        try:
+            async with self._pool.acquire() as conn:
+                await deliveries.release(conn, self.owner, out)
+        except deliveries.TRANSIENT as exc:
+            log.warning("could not give back %d leases (%s); they run out by themselves",
+                        len(out), exc)
+
     def _room(self) -> bool:
         return self.rollout_buffer.qsize() < self.config.queue_size
 
-    async def _feed(self, pool) -> float:
+    async def _feed(self) -> float:
         """Release every group that is due while the queue has room; returns how long to wait."""
         if not self._room():
             return _ROOM_POLL_S
-        async with pool.acquire() as conn:
-            groups = await leases.pending_groups(conn, self.config.match)
+        async with self._pool.acquire() as conn:
+            groups = await deliveries.pending_groups(conn, self.config.match)
         wait_s = math.inf
         for group in groups:
             if self._stop.is_set():
@@ -317,70 +590,104 @@ class RolloutSource:
             if decision is Release.WAIT:
                 wait_s = min(wait_s, self.config.group_deadline_s - group["waited_s"])
                 continue
-            await self._release(pool, group["group_key"], decision)
+            await self._release(group["group_key"], decision)
         return max(wait_s, 0.0)
 
-    async def _release(self, pool, group_key: str, decision: Release) -> None:
+    async def _release(self, group_key: str, decision: Release) -> None:
         config = self.config
-        async with pool.acquire() as conn:
-            members = await leases.claim_group(
+        async with self._pool.acquire() as conn:
+            members = await deliveries.claim_group(
                 conn, self.owner, group_key, config.match, config.lease_s
             )
             if members is None:  # another bridge is on it
                 return
+            claimed_at = time.monotonic()
+            crash_point("after_claim")
             ids = [m["id"] for m in members]
-            if decision.trains:
-                if decision is Release.PARTIAL and len(members) >= config.num_generations:
-                    decision = Release.COMPLETE  # the rest arrived since we looked
-                traces = await leases.group_traces(conn, ids)
-                batch = build_group(
-                    members,
-                    traces,
-                    group_id=group_number(group_key),
-                    config=config,
-                    trainer_version=self.model_version,
-                    decode=self.decode,
-                )
-            else:
-                batch = GroupBatch([], {}, Counter(rollouts=len(members)))
+            attempts = max(m["delivery_attempts"] for m in members)
+            if attempts > config.max_attempts:
+                await deliveries.quarantine(conn, self.owner, ids)
+                self._report_quarantine(group_key, ids, attempts)
+                return
+            if decision is Release.PARTIAL and len(members) >= config.num_generations:
+                decision = Release.COMPLETE  # the rest arrived since we looked
             try:
-                async with conn.transaction():
-                    waited = await leases.consume(conn, self.owner, ids)
-                    now = time.time()
-                    for sample in batch.samples:
-                        sample.enqueued_at = now
-                        self.rollout_buffer.put_nowait(sample)
-            except leases.LeaseLost as exc:
+                advantages, dropped = plan_release(members, decision, config)
+                training = [m for m in members if m["id"] in advantages]
+                traces = await deliveries.undelivered_traces(conn, list(advantages))
+                batch = build_group(training, advantages, traces, group_id=group_number(group_key),
+                                    config=config, decode=self.decode)
+                await deliveries.release_group(conn, self.owner, advantages, dropped,
+                                               batch.skipped)
+            except deliveries.LeaseLost as exc:
                 # The lease ran out and another bridge took the group: it delivers it.
                 log.warning("group %s: %s; leaving it to the new owner", group_key, exc)
                 self.stats["lease_lost"] += 1
                 self.metrics_queue.put({"rollout/lease_lost_total": 1.0})
                 return
-        self._account(decision, batch, list(waited.values()))
+            except deliveries.TRANSIENT:
+                raise  # the lease runs out, and the group is claimed again
+            except Exception:
+                # Bad data (or a bug) in this group: give it back and go on with the others. It
+                # counts as an attempt, so a group that always fails ends in quarantine.
+                log.exception("group %s failed (attempt %d of %d)", group_key, attempts,
+                              config.max_attempts)
+                self.stats["failed_claims"] += 1
+                self.metrics_queue.put({"rollout/failed_claims_total": 1.0})
+                await deliveries.release(conn, self.owner, ids)
+                return
+        now = time.time()
+        with self._lock:
+            for sample, out in zip(batch.samples, batch.pending, strict=True):
+                key = next(self._numbers)
+                sample.metrics[DELIVERY_KEY] = float(key)
+                sample.enqueued_at = now
+                self._pending[key] = out
+                self._lease_until[out.rollout_id] = claimed_at + config.lease_s
+        for sample in batch.samples:
+            self.rollout_buffer.put_nowait(sample)
+        crash_point("after_put")
+        self._account(decision, members, dropped, batch)
 
-    def _account(self, decision: Release, batch: GroupBatch, waited_s: list[float]) -> None:
+    def _report_quarantine(self, group_key: str, ids: list[UUID], attempts: int) -> None:
+        log.error(
+            "group %s quarantined after %d delivery attempts; its rollouts (%s) are left out of "
+            "training. Inspect them (rollouts.quarantined_at), then clear quarantined_at and "
+            "delivery_attempts to deliver them again.",
+            group_key, attempts - 1, ", ".join(map(str, ids)),
+        )
+        self.stats["quarantined_groups"] += 1
+        self.stats["quarantined_rollouts"] += len(ids)
+        self.metrics_queue.put({"rollout/quarantined_groups_total": 1.0,
+                                "rollout/quarantined_rollouts_total": float(len(ids))})
+
+    def _account(
+        self, decision: Release, members: Sequence[Mapping], dropped: list[UUID], batch: GroupBatch
+    ) -> None:
         counts = batch.counts
-        if decision.trains:
+        metrics: dict[str, float | tuple[float, float]] = {}
+        if counts["rollouts"]:
             self.stats["groups"] += 1
             self.stats["partial_groups"] += decision is Release.PARTIAL
+            self.stats["redelivered_groups"] += decision is Release.REDELIVER
             self.stats["rollouts"] += counts["rollouts"]
             self.stats["samples"] += counts["samples"]
-            for key in ("stale", "too_long", "untrained", "unscorable"):
+            for key in ("too_long", "untrained", "unscorable"):
                 self.stats[key] += counts[key]
-            metrics = {
-                **batch.metrics,
-                "rollout/partial_groups_total": float(decision is Release.PARTIAL),
-                "rollout/finish_to_queue_s": float(np.mean(waited_s)),
-                "rollout/finish_to_queue_s_max": float(np.max(waited_s)),
-            }
-        else:
-            self.stats["dropped_groups"] += 1
-            self.stats["dropped_rollouts"] += counts["rollouts"]
-            metrics = {
-                "rollout/dropped_groups_total": 1.0,
-                "rollout/dropped_rollouts_total": float(counts["rollouts"]),
-                "rollout/late_rollouts_total": float(
-                    counts["rollouts"] if decision is Release.LATE else 0
-                ),
-            }
+            now = datetime.now(UTC)
+            waited = [(now - m["finished_at"]).total_seconds() for m in members
+                      if m["finished_at"] is not None and m["id"] not in dropped]
+            metrics.update(batch.metrics)
+            metrics["rollout/partial_groups_total"] = float(decision is Release.PARTIAL)
+            metrics["rollout/redelivered_groups_total"] = float(decision is Release.REDELIVER)
+            if waited:
+                metrics["rollout/finish_to_queue_s"] = float(np.mean(waited))
+                metrics["rollout/finish_to_queue_s_max"] = float(np.max(waited))
+        if dropped:
+            late = decision is Release.REDELIVER
+            self.stats["dropped_groups"] += not counts["rollouts"]
+            self.stats["dropped_rollouts"] += len(dropped)
+            metrics["rollout/dropped_groups_total"] = float(not counts["rollouts"])
+            metrics["rollout/dropped_rollouts_total"] = float(len(dropped))
+            metrics["rollout/late_rollouts_total"] = float(len(dropped) if late else 0)
         self.metrics_queue.put(metrics)

@@ -1,18 +1,30 @@
-"""TRL's AsyncGRPO trainer with a choice of loss normalisation, and its construction.
+"""TRL's AsyncGRPO trainer with delivery acknowledgements, a choice of loss normalisation and
+optional truncated importance sampling, and its construction from a `BridgeConfig`.
+
+Delivery: every sample from the rollout source carries a number; the collator moves the numbers
+of a micro-batch into the batch, `training_step` collects them, and right after each
+`optimizer.step()` the source is told which samples that step took (`acknowledge`), before the
+weights are pushed. A crash before that call delivers the samples again; after it, never.
 
 `token` keeps TRL's loss: the clipped per-token surrogate summed and divided by the micro-batch's
 trained-token count, so a long rollout (or one merged into many sequences) weighs more than a
 short one. `rollout` weighs every rollout the same: each token's loss is weighted by
 `1 / (rollouts in the micro-batch * trained tokens of its rollout)`.
+
+Truncated importance sampling (`tis`): TRL's loss takes the ratio of the trained policy to the
+recorded (sampling) logprobs and clips it. With `tis` the ratio is taken against the trainer's
+own logprobs at the start of the step (its value is 1; its gradient is the policy gradient), and
+each token is weighted by `min(C, exp(trainer logprob - recorded logprob))`, as TRL's
+synchronous GRPO corrects for vLLM's sampling: a mismatch between engine and trainer then
+re-weights a token instead of clipping it away.
 """
 
-import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from datasets import Dataset
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, TrainerCallback
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_grpo_trainer import (
     DataCollatorForRollout,
@@ -21,10 +33,14 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
 )
 
 from trainer_bridge.advantages import rollout_loss_weights
+from trainer_bridge.config import BridgeConfig
 from trainer_bridge.cpu_attention import install_cpu_attention
+from trainer_bridge.faults import crash_point
 from trainer_bridge.samples import ROLLOUT_TOKENS_METRIC
+from trainer_bridge.source import DELIVERY_KEY
 
 LossNormalization = Literal["token", "rollout"]
+ImportanceSampling = Literal["none", "tis"]
 
 
 @dataclass
@@ -62,25 +78,121 @@ class RolloutWeightCollator:
         return batch
 
 
-class RolltapGRPOTrainer(AsyncGRPOTrainer):
-    """`AsyncGRPOTrainer` with `loss_normalization` ("token": TRL's own loss, or "rollout")."""
+@dataclass
+class DeliveryCollator:
+    """Moves the rollout source's sample numbers out of the samples' metrics (where TRL would log
+    them) into `delivery_ids`: every number of the micro-batch, repeated per rank like TRL's own
+    batch-wide values, so the main process sees them all whatever row it trains."""
 
-    def __init__(self, *args: Any, loss_normalization: LossNormalization = "token", **kwargs: Any):
+    inner: Any
+
+    def __call__(self, examples: list[Any]) -> dict[str, Any]:
+        (rows,) = examples
+        numbers = [
+            int(number)
+            for row in rows
+            for sample in row.samples
+            if (number := sample["metrics"].pop(DELIVERY_KEY, None)) is not None
+        ]
+        batch = self.inner(examples)
+        if numbers:
+            batch["delivery_ids"] = torch.tensor([numbers] * len(rows), dtype=torch.int64)
+        return batch
+
+
+def tis_weights(trainer_logprobs: torch.Tensor, recorded_logprobs: torch.Tensor, cap: float):
+    """Truncated importance weights, per token: `min(cap, exp(trainer - recorded))`."""
+    return torch.exp(trainer_logprobs - recorded_logprobs).clamp(max=cap)
+
+
+class _TruncatedIS:
+    """The policy model as TRL's `compute_loss` calls it, with each trained token's log-prob
+    replaced by `w * (lp - sg(lp))`, `w` its truncated importance weight.
+
+    TRL's loss is `-min(r A, clip(r) A)` with `r = exp(lp - old)`. With `old = 0` on trained
+    tokens, `r` is 1 (no clipping) and its gradient `w * grad lp`: the loss becomes the policy
+    gradient weighted per token, in one forward pass and with TRL's own loss code.
+    """
+
+    def __init__(self, model, token_index, recorded, cap: float, metrics) -> None:
+        self.model, self.token_index, self.recorded, self.cap = model, token_index, recorded, cap
+        self.metrics = metrics
+
+    def __call__(self, **kwargs):
+        outputs = self.model(**kwargs)
+        flat = outputs.log_probs.flatten()
+        lp = flat[self.token_index]
+        ratio = torch.exp(lp.detach() - self.recorded)
+        weights = ratio.clamp(max=self.cap)
+        tilted = flat.index_put((self.token_index,), weights * (lp - lp.detach()))
+        outputs.log_probs = tilted.view_as(outputs.log_probs)
+        if ratio.numel():
+            self.metrics["tis/ratio_mean"].append(ratio.mean().item())
+            self.metrics["tis/weight_mean"].append(weights.mean().item())
+            self.metrics["tis/weight_min"].append(weights.min().item())
+            self.metrics["tis/capped_frac"].append(
+                ((ratio > self.cap).sum().item(), float(ratio.numel())))
+        return outputs
+
+
+class _Acknowledge(TrainerCallback):
+    """Tells the rollout source which samples the optimizer step just took (before the push)."""
+
+    def __init__(self, trainer: "RolltapGRPOTrainer") -> None:
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        crash_point("after_step")
+        numbers, self.trainer.step_deliveries = self.trainer.step_deliveries, []
+        # `global_step` counts the step once it is over, which this one is but for the count.
+        self.trainer.rollout_worker.acknowledge(state.global_step + 1, numbers)
+
+
+class RolltapGRPOTrainer(AsyncGRPOTrainer):
+    """`AsyncGRPOTrainer` with delivery acknowledgements (for a rollout worker that has
+    `acknowledge`), `loss_normalization` ("token": TRL's own loss, or "rollout") and
+    `importance_sampling` ("none", or "tis" with `tis_cap`)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        loss_normalization: LossNormalization = "token",
+        importance_sampling: ImportanceSampling = "none",
+        tis_cap: float = 2.0,
+        **kwargs: Any,
+    ):
         if loss_normalization not in ("token", "rollout"):
             raise ValueError(
                 f"loss_normalization must be 'token' or 'rollout', not {loss_normalization!r}"
             )
+        if importance_sampling not in ("none", "tis"):
+            raise ValueError(
+                f"importance_sampling must be 'none' or 'tis', not {importance_sampling!r}"
+            )
         self.loss_normalization = loss_normalization
+        self.importance_sampling = importance_sampling
+        self.tis_cap = tis_cap
+        self.step_deliveries: list[int] = []  # sample numbers the current step has trained on
         super().__init__(*args, **kwargs)
+        if hasattr(self.rollout_worker, "acknowledge"):
+            self.add_callback(_Acknowledge(self))
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
+        # TRL builds its collator inside this method. Its config forces dispatch_batches, so
+        # the loader is accelerate's dispatcher, which collates through `base_dataloader`.
+        base = loader.base_dataloader
         if self.loss_normalization == "rollout":
-            # TRL builds its collator inside this method. Its config forces dispatch_batches, so
-            # the loader is accelerate's dispatcher, which collates through `base_dataloader`.
-            base = loader.base_dataloader
             base.collate_fn = RolloutWeightCollator(base.collate_fn)
+        base.collate_fn = DeliveryCollator(base.collate_fn)
         return loader
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        numbers = inputs.pop("delivery_ids", None)
+        if numbers is not None and self.accelerator.is_main_process:
+            self.step_deliveries.extend(numbers[0].tolist())
+        crash_point("during_step")
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.loss_normalization == "rollout":
@@ -90,6 +202,16 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
             # leaves TRL's forward, clipping and metrics (which read only A's sign) as they are.
             scale = inputs["loss_weight"] * inputs["global_n_tokens"][0]
             inputs = {**inputs, "advantages": inputs["advantages"] * scale}
+        if self.importance_sampling == "tis":
+            selected = inputs["token_index"] >= 0
+            model = _TruncatedIS(
+                model,
+                inputs["token_index"][selected],
+                inputs["old_log_probs"][selected],
+                self.tis_cap,
+                self._metrics["train"],
+            )
+            inputs = {**inputs, "old_log_probs": torch.zeros_like(inputs["old_log_probs"])}
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
@@ -140,30 +262,45 @@ def device_defaults(device: str) -> dict[str, Any]:
     }
 
 
+def trainer_fields(config: BridgeConfig, device: str) -> dict[str, Any]:
+    """The `AsyncGRPOConfig` fields of `config` when training on `device` ("cpu" or "gpu"):
+    what `make_trainer` builds the trainer with and what `rolltap bridge --print-config` shows."""
+    return {
+        "output_dir": str(config.output_dir),
+        "max_steps": config.max_steps,
+        "token_budget": config.token_budget,
+        "learning_rate": config.learning_rate,
+        "max_staleness": config.max_staleness,
+        "temperature": config.temperature,
+        "num_generations": config.num_generations,
+        **({"vllm_server_base_url": config.vllm[0]} if config.vllm else {}),
+        **device_defaults(device),
+        # Checkpoints of the policy are the weight sync's (disk); TRL's would only add
+        # optimizer state nobody resumes from.
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        **config.overrides,
+    }
+
+
 def make_trainer(
-    model_path: str | os.PathLike,
+    config: BridgeConfig,
     *,
     rollout_worker: RolloutWorkerProtocol,
     weight_transfer: WeightTransferProtocol | None,
-    output_dir: str | os.PathLike,
-    max_steps: int,
-    token_budget: int,
-    loss_normalization: LossNormalization = "token",
-    learning_rate: float = 1e-6,
-    max_staleness: int = 4,
     processing_class: PreTrainedTokenizerBase | None = None,
-    **config: Any,
 ) -> RolltapGRPOTrainer:
-    """Build the trainer for a rollout worker and a weight transfer of the caller's.
+    """Build the trainer of `config` for a rollout worker and a weight transfer of the caller's.
 
-    `token_budget` caps the tokens of one micro-batch row (TRL's token-budget batcher); it must
-    be set, since TRL would otherwise ask a vLLM server for its context length. Without CUDA the
-    flash-attention kernel is replaced by `cpu_attention`; precision and recomputation follow
-    `device_defaults`. `config` overrides
-    any `AsyncGRPOConfig` field. `weight_transfer=None` lets TRL build its NCCL transfer to the
-    vLLM at `vllm_server_base_url` (a GPU setup).
+    `config.token_budget` caps the tokens of one micro-batch row (TRL's token-budget batcher);
+    it must be set, since TRL would otherwise ask a vLLM server for its context length. Without
+    CUDA the flash-attention kernel is replaced by `cpu_attention`; precision and recomputation
+    follow `device_defaults`.
+    `config.overrides` sets any other `AsyncGRPOConfig` field. `weight_transfer=None` lets TRL
+    build its NCCL transfer to the vLLM at `config.vllm[0]` (a GPU setup).
     """
-    if max_steps <= 0:
+    if config.max_steps <= 0:
         # The rollout stream has no length, so the run needs an explicit number of steps.
         raise ValueError("max_steps must be positive")
     cuda = torch.cuda.is_available()
@@ -171,26 +308,18 @@ def make_trainer(
         load_gpu_attention()
     else:
         install_cpu_attention()
-    args = AsyncGRPOConfig(
-        **{
-            "output_dir": str(output_dir),
-            "max_steps": max_steps,
-            "token_budget": token_budget,
-            "learning_rate": learning_rate,
-            "max_staleness": max_staleness,
-            **device_defaults("gpu" if cuda else "cpu"),
-            **config,
-        }
-    )
+    args = AsyncGRPOConfig(**trainer_fields(config, "gpu" if cuda else "cpu"))
     # TRL requires a prompt dataset, but prompts come from the sandbox runner through the
     # rollout worker: one placeholder row satisfies the check and is never read.
     placeholder = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]]})
     return RolltapGRPOTrainer(
-        str(model_path),
+        str(config.model),
         args=args,
         train_dataset=placeholder,
         processing_class=processing_class,
         rollout_worker=rollout_worker,
         weight_transfer=weight_transfer,
-        loss_normalization=loss_normalization,
+        loss_normalization=config.loss_normalization,
+        importance_sampling=config.importance_sampling,
+        tis_cap=config.tis_cap,
     )

@@ -52,9 +52,17 @@ class WeightSyncError(RuntimeError):
 class PolicyAnnouncer:
     """Sets the policy version on every gateway (`POST /admin/policy`)."""
 
-    def __init__(self, gateways: Iterable[str], admin_key: str, offset: int, timeout: float = 60):
+    def __init__(
+        self,
+        gateways: Iterable[str],
+        admin_key: str,
+        offset: int,
+        timeout: float = 60,
+        policies: dict[str, dict] | None = None,
+    ):
         self.gateways = [g.rstrip("/") for g in gateways]
         self.offset = offset
+        self.policies = policies or {}  # each gateway's GET /admin/policy at the start
         self.announced: list[int] = []  # gateway versions, in order
         self._http = httpx.Client(
             timeout=timeout, headers={"Authorization": f"Bearer {admin_key}"}
@@ -63,11 +71,11 @@ class PolicyAnnouncer:
     @classmethod
     def from_gateways(cls, gateways: Iterable[str], admin_key: str) -> PolicyAnnouncer:
         """An announcer whose offset is the highest version the gateways hold now."""
-        gateways = list(gateways)
+        gateways = [g.rstrip("/") for g in gateways]
         with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {admin_key}"}) as http:
-            versions = [_ok(http.get(f"{g.rstrip('/')}/admin/policy")).json()["version"]
-                        for g in gateways]
-        return cls(gateways, admin_key, max(versions))
+            policies = {g: _ok(http.get(f"{g}/admin/policy")).json() for g in gateways}
+        offset = max(p["version"] for p in policies.values())
+        return cls(gateways, admin_key, offset, policies=policies)
 
     def announce(self, trainer_version: int) -> int:
         """Stamp new tokens with the gateway version of `trainer_version`; returns it."""

@@ -102,6 +102,38 @@ MIGRATIONS: list[tuple[int, str]] = [
         INSERT INTO policy (version) VALUES (0);
         """,
     ),
+    (
+        2,
+        """
+        -- Trainer bridge, exactly-once delivery to the optimizer (trainer_bridge/deliveries.py).
+        -- A group is released once: its members' advantages are fixed then, so a redelivery
+        -- after a crash trains the same numbers. `consumed_at` now means every trainable trace
+        -- of the rollout is in `deliveries`. A group that failed too often is put aside.
+        ALTER TABLE rollouts
+            ADD COLUMN released_at       timestamptz,
+            ADD COLUMN advantage         double precision,
+            ADD COLUMN delivery_attempts integer NOT NULL DEFAULT 0,
+            ADD COLUMN quarantined_at    timestamptz;
+        UPDATE rollouts SET released_at = consumed_at WHERE consumed_at IS NOT NULL;
+
+        -- The delivery log, append only: one row each time an optimizer step took a trace
+        -- ('trained', with the step), or the bridge put it aside for good ('stale',
+        -- 'too_long', 'untrained'). Not unique on purpose: were a trace ever trained twice,
+        -- the log would show it.
+        CREATE TABLE deliveries (
+            id         bigserial PRIMARY KEY,
+            rollout_id uuid NOT NULL REFERENCES rollouts (id),
+            idx        integer NOT NULL,
+            outcome    text NOT NULL
+                       CHECK (outcome IN ('trained', 'stale', 'too_long', 'untrained')),
+            owner      text NOT NULL,
+            step       integer NOT NULL,
+            leased     boolean NOT NULL,  -- the owner still held the rollout's lease
+            at         timestamptz NOT NULL DEFAULT now()
+        );
+        CREATE INDEX deliveries_trace ON deliveries (rollout_id, idx);
+        """,
+    ),
 ]
 
 _LOCK_ID = 0x726F6C6C746170  # "rolltap"

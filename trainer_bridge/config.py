@@ -1,0 +1,246 @@
+"""`BridgeConfig`: every knob of `rolltap bridge` in one place, in TRL's style (a dataclass whose
+fields carry their help), filled from command-line flags and `ROLLTAP_<FIELD>` variables.
+
+The command line is generated from the fields, so a flag, its help, its environment variable
+and its default cannot drift apart. Precedence: flag, then environment variable, then default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # the source pulls in TRL: not needed to parse flags or print --help
+    from trainer_bridge.source import SourceConfig
+
+ENV_PREFIX = "ROLLTAP_"
+_SECRET = ("admin_key",)
+
+
+def _opt(help: str, group: str, **argparse_kwargs: Any) -> dict:
+    return {"help": help, "group": group, "argparse": argparse_kwargs}
+
+
+def _key_value(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+_WHERE, _TRAIN, _GROUPS, _WEIGHTS = (
+    "where things are", "training", "rollouts and groups", "weights")
+
+
+@dataclass
+class BridgeConfig:
+    """Configuration of the trainer bridge (see `rolltap bridge --help`)."""
+
+    # -- where things are
+    model: str = field(default="", metadata=_opt(
+        "model directory to train (the one vLLM serves)", _WHERE, metavar="PATH"))
+    vllm: list[str] = field(default_factory=list, metadata=_opt(
+        "a vLLM replica to push weights to, e.g. http://127.0.0.1:8000; repeat for several "
+        "(nccl: exactly one)", _WHERE, metavar="URL", action="append"))
+    gateway: list[str] = field(default_factory=list, metadata=_opt(
+        "a gateway to tell the new policy version; repeat for several", _WHERE, metavar="URL",
+        action="append"))
+    admin_key: str | None = field(default=None, metadata=_opt(
+        "the gateways' admin key", _WHERE, metavar="KEY"))
+    database_url: str | None = field(default=None, metadata=_opt(
+        "the gateways' Postgres; without it, the embedded Postgres in --data-dir", _WHERE,
+        metavar="DSN"))
+    data_dir: Path | None = field(default=None, metadata=_opt(
+        "the gateway's data directory holding its embedded Postgres (default: the gateway's "
+        "default)", _WHERE, metavar="DIR", type=Path))
+    output_dir: Path = field(default=Path("runs/bridge"), metadata=_opt(
+        "trainer output, progress.jsonl and summary.json", _WHERE, metavar="DIR", type=Path))
+    checkpoint_dir: Path | None = field(default=None, metadata=_opt(
+        "disk sync: where checkpoints are written for the replicas to load; must be the same "
+        "path on their machines (default OUTPUT_DIR/weights)", _WHERE, metavar="DIR", type=Path))
+
+    # -- training
+    num_generations: int = field(default=8, metadata=_opt(
+        "rollouts per group (per task); a group is trained when G of them finished", _TRAIN,
+        metavar="G", type=int))
+    max_steps: int = field(default=0, metadata=_opt(
+        "optimizer steps to train; each is followed by a weight push", _TRAIN, metavar="N",
+        type=int))
+    learning_rate: float = field(default=1e-6, metadata=_opt(
+        "AdamW learning rate, constant", _TRAIN, metavar="LR", type=float))
+    temperature: float = field(default=1.0, metadata=_opt(
+        "the policy's sampling temperature; must equal the gateway's --temperature (the bridge "
+        "checks, and refuses to start otherwise)", _TRAIN, metavar="T", type=float))
+    loss_normalization: Literal["token", "rollout"] = field(default="token", metadata=_opt(
+        "token: TRL's loss, every trained token weighs the same; rollout: every rollout weighs "
+        "the same whatever its length and sequence count", _TRAIN, choices=("token", "rollout")))
+    importance_sampling: Literal["none", "tis"] = field(default="none", metadata=_opt(
+        "none: TRL's clipped ratio against the recorded logprobs; tis: truncated importance "
+        "sampling, each token weighted by min(C, exp(trainer logprob - recorded logprob)) "
+        "(see README, training)", _TRAIN, choices=("none", "tis")))
+    tis_cap: float = field(default=2.0, metadata=_opt(
+        "C, the cap on a token's importance weight with --importance-sampling tis", _TRAIN,
+        metavar="C", type=float))
+    std_scaling: bool = field(default=True, metadata=_opt(
+        "divide advantages by the group's reward std (--no-std-scaling: reward - group mean)",
+        _TRAIN, action=argparse.BooleanOptionalAction))
+    token_budget: int = field(default=16384, metadata=_opt(
+        "tokens per micro-batch row; longer sequences are skipped and logged, never truncated",
+        _TRAIN, metavar="N", type=int))
+    max_staleness: int = field(default=4, metadata=_opt(
+        "trained tokens more than N policy versions behind the trainer are masked out of the "
+        "loss; the rest of their sequence trains", _TRAIN, metavar="N", type=int))
+    threads: int | None = field(default=None, metadata=_opt(
+        "CPU threads for the trainer (default: torch's choice); on a CPU shared with vLLM, 1 "
+        "keeps the two from stalling each other", _TRAIN, metavar="N", type=int))
+    overrides: dict = field(default_factory=dict, metadata=_opt(
+        "any other AsyncGRPOConfig field, VALUE as JSON or text, e.g. --set "
+        "gradient_accumulation_steps=4 --set seed=1; repeatable", _TRAIN, flag="--set",
+        metavar="KEY=VALUE", action="append", type=_key_value))
+
+    # -- rollouts and groups
+    group_deadline: float = field(default=600.0, metadata=_opt(
+        "seconds after a group's first rollout finished until it is released incomplete",
+        _GROUPS, metavar="S", type=float))
+    partial_groups: Literal["train", "drop"] = field(default="train", metadata=_opt(
+        "what an incomplete group at its deadline becomes", _GROUPS, choices=("train", "drop")))
+    match: dict = field(default_factory=dict, metadata=_opt(
+        "only rollouts whose metadata has KEY=VALUE (VALUE as JSON or text); repeatable",
+        _GROUPS, metavar="KEY=VALUE", action="append", type=_key_value))
+    queue_size: int = field(default=64, metadata=_opt(
+        "claim new groups only while fewer than N samples wait for the trainer", _GROUPS,
+        metavar="N", type=int))
+    lease_seconds: float = field(default=60.0, metadata=_opt(
+        "how long a claimed group stays this bridge's without a renewal; renewed until an "
+        "optimizer step has taken its samples", _GROUPS, metavar="S", type=float))
+    poll_interval: float = field(default=2.0, metadata=_opt(
+        "seconds between looks at the database when no notification arrives", _GROUPS,
+        metavar="S", type=float))
+    max_attempts: int = field(default=5, metadata=_opt(
+        "claims of a group (crashes, failures) before it is quarantined and reported", _GROUPS,
+        metavar="N", type=int))
+    db_give_up: float = field(default=600.0, metadata=_opt(
+        "seconds of nothing but database errors before the bridge gives up (shorter outages "
+        "are retried with backoff)", _GROUPS, metavar="S", type=float))
+
+    # -- weights
+    weight_sync: Literal["disk", "nccl"] = field(default="disk", metadata=_opt(
+        "how new weights reach vLLM (see above)", _WEIGHTS, choices=("disk", "nccl")))
+    keep_checkpoints: int = field(default=2, metadata=_opt(
+        "disk sync: newest checkpoints kept; the last is the trained model", _WEIGHTS,
+        metavar="N", type=int))
+
+    def __post_init__(self) -> None:
+        if self.importance_sampling not in ("none", "tis"):
+            raise ValueError("importance_sampling must be 'none' or 'tis'")
+        if self.tis_cap <= 0:
+            raise ValueError("tis_cap must be positive")
+        if self.temperature <= 0:
+            raise ValueError("temperature must be positive (the trainer divides logits by it)")
+
+    def to_dict(self, *, redact: bool = True) -> dict[str, Any]:
+        """Every knob as JSON-ready values; secrets shown only as set or not."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if redact and f.name in _SECRET and value:
+                value = "<set>"
+            out[f.name] = str(value) if isinstance(value, Path) else value
+        return out
+
+    def source_config(self, database_url: str, version_offset: int) -> SourceConfig:
+        """The rollout source's part, once the database and the gateways' version are known."""
+        from trainer_bridge.source import SourceConfig
+
+        return SourceConfig(
+            database_url=database_url,
+            num_generations=self.num_generations,
+            token_budget=self.token_budget,
+            group_deadline_s=self.group_deadline,
+            partial_groups=self.partial_groups,
+            scale_std=self.std_scaling,
+            max_staleness=self.max_staleness,
+            queue_size=self.queue_size,
+            lease_s=self.lease_seconds,
+            poll_interval_s=self.poll_interval,
+            match=dict(self.match),
+            version_offset=version_offset,
+            max_attempts=self.max_attempts,
+            db_give_up_s=self.db_give_up,
+        )
+
+    # -- flags and environment ----------------------------------------------------------------
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, required: tuple[str, ...] = ()):
+        """One flag per field, in its group, defaulting to `ROLLTAP_<FIELD>` when that is set.
+        Fields in `required` must come from a flag or the environment."""
+        groups: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+            kwargs = dict(meta["argparse"])
+            env_name = ENV_PREFIX + f.name.upper()
+            env_value = os.environ.get(env_name)
+            default = cls._from_env(f, env_value) if env_value else _default(f)
+            help_text = f"{meta['help']} (env {env_name}"
+            shown = f.name not in _SECRET and f.name not in required
+            if shown and default not in (None, [], {}, ""):
+                help_text += f"; default {_show(default)}"
+            kwargs["help"] = help_text.replace("%", "%%") + ")"
+            if f.name in required and not env_value:
+                kwargs["required"] = True
+            elif kwargs.get("action") == "append":
+                kwargs["default"] = None  # argparse would append to a default list
+            else:
+                kwargs["default"] = default
+            flag = kwargs.pop("flag", None) or "--" + f.name.replace("_", "-")
+            group.add_argument(flag, dest=f.name, **kwargs)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BridgeConfig:
+        """The config of parsed flags (from `add_arguments`); unset ones from the environment."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            value = getattr(args, f.name, None)
+            if value is None:
+                env_value = os.environ.get(ENV_PREFIX + f.name.upper())
+                value = cls._from_env(f, env_value) if env_value else _default(f)
+            elif f.type == "dict":
+                value = dict(value)
+            values[f.name] = value
+        return cls(**values)
+
+    @staticmethod
+    def _from_env(f: dataclasses.Field, text: str) -> Any:
+        """A field's value from its environment variable: lists comma-separated, KEY=VALUE
+        pairs comma-separated, booleans as 1/0/true/false."""
+        if f.type == "dict":
+            return dict(_key_value(part) for part in text.split(",") if part)
+        if f.type == "list[str]":
+            return [part for part in text.split(",") if part]
+        if f.type == "bool":
+            return text.strip().lower() in ("1", "true", "yes", "on")
+        convert = f.metadata["argparse"].get("type", str)
+        try:
+            return convert(text)
+        except (TypeError, ValueError) as exc:
+            raise SystemExit(f"error: {ENV_PREFIX}{f.name.upper()}={text!r}: {exc}") from None
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _show(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)

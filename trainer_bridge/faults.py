@@ -1,0 +1,29 @@
+"""Crash points for fault injection: the delivery tests kill the bridge at exact places.
+
+`ROLLTAP_CRASH_AT=POINT:N` makes the process SIGKILL itself the Nth time it reaches POINT (no
+`finally`, no atexit: a real crash). Unset, a crash point costs one dictionary lookup. The points
+are the seams of exactly-once delivery: `after_claim` (a group is leased, nothing released),
+`after_put` (samples are on the trainer's queue), `during_step` (a micro-batch is being trained)
+and `after_step` (the optimizer stepped, the delivery is not acknowledged yet).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+
+POINTS = ("after_claim", "after_put", "during_step", "after_step")
+_hits: Counter = Counter()
+
+
+def crash_point(name: str) -> None:
+    spec = os.environ.get("ROLLTAP_CRASH_AT")
+    if not spec:
+        return
+    point, _, nth = spec.partition(":")
+    if point != name:
+        return
+    _hits[name] += 1
+    if _hits[name] == int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
