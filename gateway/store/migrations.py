@@ -102,6 +102,14 @@ MIGRATIONS: list[tuple[int, str]] = [
         INSERT INTO policy (version) VALUES (0);
         """,
     ),
+    (
+        2,
+        """
+        -- Why a call went to another replica than its rollout's previous call (ejected,
+        -- draining, removed, failed to connect); NULL when it stayed.
+        ALTER TABLE calls ADD COLUMN rerouted text;
+        """,
+    ),
 ]
 
 _LOCK_ID = 0x726F6C6C746170  # "rolltap"
