@@ -202,6 +202,8 @@ class _Call:
         )
         await svc.recorder.record(rec)
         svc.metrics.call_recorded(rec)
+        log.debug("recorded call %s of rollout %s: %s on %s%s", self.id, self.rollout_id,
+                  status, self.upstream, f" (rerouted: {self.rerouted})" if self.rerouted else "")
         if reply_keys:  # committed: a later call may now name it as its base
             svc.continuer.remember(self.rollout_id, self.id, reply_keys)
 

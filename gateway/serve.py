@@ -55,9 +55,15 @@ async def _serve(cfg) -> None:
         ) from exc
     app = build_app(cfg, pool)
     # keepalive_timeout bounds a connection's wait for a complete request head, from its first
-    # byte and between keep-alive requests: slow-header and idle connections are closed.
+    # byte and between keep-alive requests: slow-header and idle connections are closed. After
+    # an answer that left the body unread (a 408 for a trickling body), the rest is drained for
+    # at most lingering_time, so the client can still read the answer before the close.
     runner = web.AppRunner(
-        app, access_log=None, keepalive_timeout=cfg.idle_timeout_s, shutdown_timeout=5.0
+        app,
+        access_log=None,
+        keepalive_timeout=cfg.idle_timeout_s,
+        lingering_time=2.0,
+        shutdown_timeout=5.0,
     )
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)

@@ -42,6 +42,8 @@ async def observe(request: web.Request, handler):
     try:
         response = await handler(request)
         status = response.status
+        if request.get("close_connection"):
+            response.force_close()
         return response
     except web.HTTPException as exc:
         status = exc.status
@@ -57,7 +59,8 @@ async def observe(request: web.Request, handler):
 
 
 async def stamp_headers(request: web.Request, response: web.StreamResponse) -> None:
-    """on_response_prepare: the request id on every response, streamed or not."""
+    """on_response_prepare: the request id on every response, streamed or not, and the
+    Retry-After a refusal asked for."""
     rid = request.get("request_id")
     if rid:
         response.headers[REQUEST_ID] = rid
@@ -92,7 +95,7 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
         async with asyncio.timeout(timeout_s):
             return await request.read()
     except TimeoutError:
-        request.protocol.force_close()
+        request["close_connection"] = True  # the rest of the body may still trickle in
         raise GatewayError(
             408, f"request body not received within {timeout_s:g} s (--body-timeout)",
             "invalid_request_error", code="request_timeout",

@@ -76,8 +76,8 @@ class Upstreams:
         self.replicas: dict[str, Replica] = {}
         self._placed: dict[UUID, str] = {}
         self._list: list[Replica] = []
-        self._seeds = np.zeros(0, dtype=np.uint64)
-        self._available = np.zeros(0, dtype=bool)
+        self._live: list[Replica] = []  # available: not ejected, not draining
+        self._live_seeds = np.zeros(0, dtype=np.uint64)
         self.session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
         self.on_change: Callable[[Replica], None] | None = None  # metrics hook
@@ -132,9 +132,10 @@ class Upstreams:
         return replica
 
     def _changed(self, replica: Replica) -> None:
+        # Placement reads these on every new rollout; they change only with the replica set.
         self._list = list(self.replicas.values())
-        self._seeds = np.array([r.seed for r in self._list], dtype=np.uint64)
-        self._available = np.array([r.available for r in self._list], dtype=bool)
+        self._live = [r for r in self._list if r.available]
+        self._live_seeds = np.array([r.seed for r in self._live], dtype=np.uint64)
         if self.on_change is not None:
             self.on_change(replica)
 
@@ -167,19 +168,16 @@ class Upstreams:
         return url, reason
 
     def _place_new(self, rollout_id: UUID, avoid: str | None) -> str:
-        eligible = self._available
+        live, eligible = self._live, None
         if avoid is not None or self._max_inflight is not None:
-            eligible = eligible.copy()
-            for i, r in enumerate(self._list):
-                if r.url == avoid:
-                    eligible[i] = False
+            eligible = np.array([r.url != avoid for r in live], dtype=bool)
             if self._max_inflight is not None:
                 roomy = eligible & np.array(
-                    [r.in_flight < self._max_inflight for r in self._list], dtype=bool
+                    [r.in_flight < self._max_inflight for r in live], dtype=bool
                 )
                 if roomy.any():  # all full: the gateway's own --max-inflight pushes back
                     eligible = roomy
-        i = place(rollout_id.int, self._seeds, eligible)
+        i = place(rollout_id.int, self._live_seeds, eligible)
         if i < 0:
             states = ", ".join(f"{r.url} {r.describe()['state']}" for r in self._list) or "none"
             raise GatewayError(
@@ -188,7 +186,7 @@ class Upstreams:
                 "with POST /admin/upstreams",
                 "overloaded_error",
             )
-        return self._list[i].url
+        return live[i].url
 
     # -- health ------------------------------------------------------------------------------
 

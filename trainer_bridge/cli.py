@@ -65,7 +65,9 @@ def register(subparsers) -> None:
                        help="a vLLM replica to push weights to, e.g. http://127.0.0.1:8000; "
                        "repeat for several (nccl: exactly one)")
     where.add_argument("--gateway", action="append", required=True, metavar="URL",
-                       help="a gateway to tell the new policy version; repeat for several")
+                       help="a gateway to tell the new policy version directly; repeat for "
+                       "several. Every gateway on the database also learns it from Postgres "
+                       "(NOTIFY), listed here or not")
     where.add_argument("--admin-key", default=env("ROLLTAP_ADMIN_KEY"), metavar="KEY",
                        help="the gateways' admin key (env ROLLTAP_ADMIN_KEY)")
     where.add_argument("--database-url", default=env("ROLLTAP_DATABASE_URL"), metavar="DSN",
@@ -203,11 +205,12 @@ def _run(args: argparse.Namespace) -> int:
 
     output_dir = args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
-    announcer = PolicyAnnouncer.from_gateways(args.gateway, args.admin_key)
+    database_url = _database_url(args)
+    announcer = PolicyAnnouncer.from_gateways(args.gateway, args.admin_key, database_url)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     source = RolloutSource(
         SourceConfig(
-            database_url=_database_url(args),
+            database_url=database_url,
             num_generations=args.num_generations,
             token_budget=args.token_budget,
             group_deadline_s=args.group_deadline,
