@@ -127,9 +127,16 @@ class _Call:
     def abort(self, status: str, reason: str) -> None:
         """Ends the call from outside: it stops waiting on the engine, records `status` and
         answers with an error in its protocol. No-op once it is recording."""
-        if self.aborted is None and not self._recording and self._task is not None:
+        # A call whose own failure ejects its replica is already ending; it is not aborted.
+        task = self._task
+        if (
+            self.aborted is None
+            and not self._recording
+            and task is not None
+            and task is not asyncio.current_task()
+        ):
             self.aborted = (status, reason)
-            self._task.cancel()
+            task.cancel()
 
     def abort_error(self) -> GatewayError:
         assert self.aborted is not None

@@ -95,15 +95,15 @@ async def _drain(runner, svc, timeout_s: float) -> None:
         await site.stop()
     runner.server.pre_shutdown()  # idle keep-alive connections close now, busy ones after
     deadline = time.monotonic() + timeout_s
-    while svc.calls and time.monotonic() < deadline:
+    while svc.model_requests and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if svc.calls:
+    if svc.model_requests:
         log.warning("drain timeout: aborting %d calls still in flight", len(svc.calls))
         for call in list(svc.calls):
             call.abort("aborted", f"the gateway shut down ({timeout_s:g} s drain timeout)")
         # Each aborted call records itself and writes its error event; give them the time.
         finish_by = time.monotonic() + 30
-        while svc.calls and time.monotonic() < finish_by:
+        while svc.model_requests and time.monotonic() < finish_by:
             await asyncio.sleep(0.05)
 
 

@@ -152,7 +152,10 @@ class Upstreams:
         reason = None
         if previous is not None:
             replica = self.replicas.get(previous)
-            if replica is not None and replica.available and previous != avoid:
+            usable = replica is not None and (
+                replica.available or (not self._live and not replica.draining)
+            )
+            if usable and previous != avoid:
                 self._placed[rollout_id] = previous
                 return previous, None
             if replica is None:
@@ -168,7 +171,12 @@ class Upstreams:
         return url, reason
 
     def _place_new(self, rollout_id: UUID, avoid: str | None) -> str:
-        live, eligible = self._live, None
+        live, seeds, eligible = self._live, self._live_seeds, None
+        if not live:
+            # Every replica ejected: health checks may be wrong (an overloaded engine answers
+            # /health late), and trying beats refusing every call.
+            live = [r for r in self._list if not r.draining]
+            seeds = np.array([r.seed for r in live], dtype=np.uint64)
         if avoid is not None or self._max_inflight is not None:
             eligible = np.array([r.url != avoid for r in live], dtype=bool)
             if self._max_inflight is not None:
@@ -177,7 +185,7 @@ class Upstreams:
                 )
                 if roomy.any():  # all full: the gateway's own --max-inflight pushes back
                     eligible = roomy
-        i = place(rollout_id.int, self._live_seeds, eligible)
+        i = place(rollout_id.int, seeds, eligible)
         if i < 0:
             states = ", ".join(f"{r.url} {r.describe()['state']}" for r in self._list) or "none"
             raise GatewayError(

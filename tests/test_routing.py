@@ -5,9 +5,11 @@ from __future__ import annotations
 import uuid
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.protocols.errors import GatewayError
 from gateway.routing import Health, place, replica_seed
 from gateway.upstream import Upstreams
 
@@ -119,3 +121,18 @@ def test_a_placed_rollout_stays_unless_its_replica_is_unavailable():
     assert all(ups.route(uuid.uuid4(), None)[0] != other for _ in range(50))
     ups.remove("http://c:3")
     assert "removed" in ups.route(rid, "http://c:3")[1]
+
+
+def test_with_every_replica_ejected_calls_still_go_somewhere_but_never_to_a_draining_one():
+    ups = Upstreams(["http://a:1", "http://b:2"], 10, eject_after=1)
+    rid = uuid.uuid4()
+    home, _ = ups.route(rid, None)
+    for url in ups.urls:
+        ups.failed(url, "probe timed out")
+    assert ups.route(rid, home) == (home, None)  # no better place: it stays
+    ups.drain("http://b:2")
+    assert all(ups.route(uuid.uuid4(), None)[0] == "http://a:1" for _ in range(20))
+    ups.drain("http://a:1")
+    with pytest.raises(GatewayError) as info:
+        ups.route(uuid.uuid4(), None)
+    assert info.value.status == 503 and "draining" in info.value.message
