@@ -136,3 +136,17 @@ def test_with_every_replica_ejected_calls_still_go_somewhere_but_never_to_a_drai
     with pytest.raises(GatewayError) as info:
         ups.route(uuid.uuid4(), None)
     assert info.value.status == 503 and "draining" in info.value.message
+
+
+def test_new_rollouts_avoid_a_replica_at_its_in_flight_cap_while_another_has_room():
+    ups = Upstreams(["http://a:1", "http://b:2"], 10, replica_max_inflight=1)
+    rids = [uuid.uuid4() for _ in range(40)]
+    on_a = [r for r in rids if ups.route(r, None)[0] == "http://a:1"]
+    assert on_a and len(on_a) < 40
+    ups.begin("http://a:1")  # a is at its cap now
+    assert all(ups.route(uuid.uuid4(), None)[0] == "http://b:2" for _ in range(20))
+    assert ups.route(on_a[0], "http://a:1") == ("http://a:1", None)  # placed ones stay
+    ups.begin("http://b:2")  # both full: placement falls back to plain rendezvous
+    assert {ups.route(r, None)[0] for r in rids} == {"http://a:1", "http://b:2"}
+    ups.end("http://a:1")
+    assert ups.replicas["http://a:1"].in_flight == 0
