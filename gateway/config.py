@@ -57,10 +57,17 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         for name in ("eject_after", "max_inflight"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("probe_interval_s", "ttft_timeout_s", "stream_idle_timeout_s",
+                     "idle_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                flag = name.removesuffix("_s").replace("_", "-")
+                raise ValueError(f"--{flag} must be a positive number of seconds")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError("--drain-timeout must be zero or more seconds")
         if self.db_pool_size < 4:
             # The recorder and the policy listener each hold one connection for good.
-            raise ValueError("db_pool_size must be at least 4")
+            raise ValueError("--db-pool-size must be at least 4")
         if self.continuation not in ("exact", "render"):
             raise ValueError(f"continuation must be exact or render, not {self.continuation!r}")
         self.upstreams = [u.rstrip("/") for u in self.upstreams]
