@@ -122,6 +122,8 @@ class Metrics:
             ["harness"], registry=r,
         )
         self._db_read = 0.0
+        # Labelled children, looked up once: `labels()` takes a lock and hashes every call.
+        self._children: dict[tuple, tuple] = {}
 
     def watch(self, replicas: Callable[[], Iterable], queue_depth: Callable[[], int],
               in_flight: Callable[[], int], policy_version: Callable[[], int]) -> None:
@@ -131,16 +133,39 @@ class Metrics:
         self.in_flight.set_function(in_flight)
         self.policy_version.set_function(policy_version)
 
+    def _child(self, key: tuple, make: Callable[[], tuple]) -> tuple:
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = make()
+        return found
+
+    def request_done(self, protocol: str, route: str, status: int, seconds: float) -> None:
+        count, = self._child(
+            ("req", protocol, route, status),
+            lambda: (self.requests.labels(protocol, route, str(status)),),
+        )
+        count.inc()
+        timing, = self._child(
+            ("lat", protocol, route), lambda: (self.request_seconds.labels(protocol, route),)
+        )
+        timing.observe(seconds)
+
     def call_recorded(self, rec: CallRecord) -> None:
-        self.calls.labels(rec.protocol, rec.status).inc()
-        self.prompt_tokens.labels(rec.protocol).inc(rec.prompt_len)
-        self.sampled_tokens.labels(rec.protocol).inc(len(rec.completion_ids) // 4)
+        p = rec.protocol
+        calls, prompt, sampled, ttft = self._child(("call", p, rec.status), lambda: (
+            self.calls.labels(p, rec.status), self.prompt_tokens.labels(p),
+            self.sampled_tokens.labels(p), self.ttft_seconds.labels(p),
+        ))
+        calls.inc()
+        prompt.inc(rec.prompt_len)
+        sampled.inc(len(rec.completion_ids) // 4)
         if rec.ttft_ms is not None:
-            self.ttft_seconds.labels(rec.protocol).observe(rec.ttft_ms / 1000)
+            ttft.observe(rec.ttft_ms / 1000)
         if rec.rerouted:
             self.rerouted.inc()
         if rec.continuation:
-            self.continuation.labels(rec.continuation["path"]).inc()
+            path = rec.continuation["path"]
+            self._child(("cont", path), lambda: (self.continuation.labels(path),))[0].inc()
 
     def committed(self, batch: int, seconds: float) -> None:
         self.batch_size.observe(batch)

@@ -52,10 +52,9 @@ async def observe(request: web.Request, handler):
         request_id.reset(token)
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
-        metrics = request.app["services"].metrics
-        proto = protocol_of(request.path)
-        metrics.requests.labels(proto, route, str(status)).inc()
-        metrics.request_seconds.labels(proto, route).observe(time.perf_counter() - started)
+        request.app["services"].metrics.request_done(
+            protocol_of(request.path), route, status, time.perf_counter() - started
+        )
 
 
 async def stamp_headers(request: web.Request, response: web.StreamResponse) -> None:

@@ -291,6 +291,37 @@ class StreamStalled(Exception):
     """The engine sent nothing for longer than the call's first-token or idle timeout."""
 
 
+class _Watchdog:
+    """Fails a response's reads once nothing arrived for `timeout` seconds. One timer per
+    stream, moved lazily: a read only stores the time (a per-read asyncio.timeout costs tens
+    of µs of scheduling on every chunk)."""
+
+    __slots__ = ("_loop", "_content", "_timeout", "_what", "_deadline", "_handle")
+
+    def __init__(self, content, timeout: float, what: str) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._content = content
+        self._timeout, self._what = timeout, what
+        self._deadline = self._loop.time() + timeout
+        self._handle = self._loop.call_at(self._deadline, self._check)
+
+    def fed(self, timeout: float, what: str) -> None:
+        self._timeout, self._what = timeout, what
+        self._deadline = self._loop.time() + timeout
+
+    def _check(self) -> None:
+        if self._loop.time() >= self._deadline:
+            self._content.set_exception(StreamStalled(
+                f"engine sent no {self._what} for {self._timeout:g}s "
+                "(frozen or overloaded replica)"
+            ))
+        else:
+            self._handle = self._loop.call_at(self._deadline, self._check)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 async def sse_batches(
     resp: aiohttp.ClientResponse, first_timeout_s: float, idle_timeout_s: float
 ) -> AsyncIterator[list[bytes]]:
@@ -300,22 +331,16 @@ async def sse_batches(
     `idle_timeout_s`: a frozen engine keeps its connection open but sends nothing."""
     pending = b""
     content = resp.content
-    timeout, what = first_timeout_s, "first token"
-    while True:
-        try:
-            async with asyncio.timeout(timeout):
-                block = await content.readany()
-        except TimeoutError:
-            raise StreamStalled(
-                f"engine sent no {what} for {timeout:g}s (frozen or overloaded replica)"
-            ) from None
-        if not block:
-            break
-        timeout, what = idle_timeout_s, "next chunk"
-        lines = (pending + block).split(b"\n")
-        pending = lines.pop()  # an incomplete last line waits for the next read
-        batch = [line[5:].strip() for line in lines if line.startswith(b"data:")]
-        if batch:
-            yield batch
+    watchdog = _Watchdog(content, first_timeout_s, "first token")
+    try:
+        while block := await content.readany():
+            watchdog.fed(idle_timeout_s, "next chunk")
+            lines = (pending + block).split(b"\n")
+            pending = lines.pop()  # an incomplete last line waits for the next read
+            batch = [line[5:].strip() for line in lines if line.startswith(b"data:")]
+            if batch:
+                yield batch
+    finally:
+        watchdog.cancel()
     if pending.startswith(b"data:"):
         yield [pending[5:].strip()]
