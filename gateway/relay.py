@@ -345,9 +345,10 @@ async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamRespons
     failure: GatewayError | None = None
     status = "failed"  # if it fails
     cfg = svc.config
+    batches = sse_batches(resp, cfg.ttft_timeout_s, cfg.stream_idle_timeout_s)
     try:
         done = False
-        async for batch in sse_batches(resp, cfg.ttft_timeout_s, cfg.stream_idle_timeout_s):
+        async for batch in batches:
             pieces = []
             for data in batch:
                 if data == b"[DONE]":
@@ -390,6 +391,8 @@ async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamRespons
             502, f"upstream stream broke: {exc or type(exc).__name__}", "upstream_error"
         )
         svc.upstreams.failed(call.upstream, failure.message)
+    finally:
+        await batches.aclose()  # stops its timer now, not when the generator is collected
     if failure is None and cap.finish_reason in ("abort", "error"):
         failure = GatewayError(
             502, f"engine ended the response with {cap.finish_reason!r}", "upstream_error"
