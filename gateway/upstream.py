@@ -296,18 +296,25 @@ class _Watchdog:
     stream, moved lazily: a read only stores the time (a per-read asyncio.timeout costs tens
     of µs of scheduling on every chunk)."""
 
-    __slots__ = ("_loop", "_content", "_timeout", "_what", "_deadline", "_handle")
+    __slots__ = ("_loop", "_content", "_timeout", "_what", "_deadline", "_handle", "_due")
 
     def __init__(self, content, timeout: float, what: str) -> None:
         self._loop = asyncio.get_running_loop()
         self._content = content
         self._timeout, self._what = timeout, what
         self._deadline = self._loop.time() + timeout
-        self._handle = self._loop.call_at(self._deadline, self._check)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        self._due = self._deadline
+        self._handle = self._loop.call_at(self._due, self._check)
 
     def fed(self, timeout: float, what: str) -> None:
         self._timeout, self._what = timeout, what
         self._deadline = self._loop.time() + timeout
+        if self._deadline < self._due:  # a shorter timeout now (idle after the first token)
+            self._handle.cancel()
+            self._schedule()
 
     def _check(self) -> None:
         if self._loop.time() >= self._deadline:
@@ -316,7 +323,7 @@ class _Watchdog:
                 "(frozen or overloaded replica)"
             ))
         else:
-            self._handle = self._loop.call_at(self._deadline, self._check)
+            self._schedule()
 
     def cancel(self) -> None:
         self._handle.cancel()

@@ -25,6 +25,7 @@ class FrozenReplica:
         self.url = f"http://127.0.0.1:{self.port}"
         self.healthy = True
         self.held = 0
+        self.first_bytes = b""  # sent on a stream before the silence
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
         threading.Thread(target=self._serve, args=(started,), daemon=True).start()
@@ -42,6 +43,8 @@ class FrozenReplica:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             if (await request.json()).get("stream"):
                 await response.prepare(request)  # headers, then silence (as vLLM's stream)
+                if self.first_bytes:
+                    await response.write(self.first_bytes)
             await asyncio.sleep(3600)
             return response
 
@@ -71,9 +74,10 @@ def _body(stream: bool) -> dict:
 
 
 def test_stream_without_a_first_chunk_ends_at_the_ttft_timeout(frozen, database_url, tmp_path):
+    # No probe during the test (its /health would pass and take the replica back at once).
     gw = GatewayProcess([frozen.url], database_url, "--ttft-timeout", "1.5",
                         "--continuation", "render", "--eject-after", "1",
-                        log_path=tmp_path / "gw.log").start()
+                        "--probe-interval", "600", log_path=tmp_path / "gw.log").start()
     try:
         rollout = gw.new_rollout()
         started = time.monotonic()
@@ -86,7 +90,24 @@ def test_stream_without_a_first_chunk_ends_at_the_ttft_timeout(frozen, database_
         assert call["status"] == "failed" and "frozen" in call["error"]
         # One failure with --eject-after 1: the replica is out until a probe passes.
         [replica] = gw.admin.get("/admin/upstreams").json()["upstreams"]
-        assert replica["consecutive_failures"] >= 1
+        assert replica["consecutive_failures"] == 1 and replica["state"] == "ejected"
+        assert "no first token" in replica["last_failure"]
+    finally:
+        gw.stop()
+
+
+def test_stream_that_goes_silent_ends_at_the_idle_timeout(frozen, database_url, tmp_path):
+    frozen.first_bytes = b": the engine was here\n\n"  # an SSE comment, then nothing
+    gw = GatewayProcess([frozen.url], database_url, "--ttft-timeout", "60",
+                        "--stream-idle-timeout", "1", "--continuation", "render",
+                        log_path=tmp_path / "gw.log").start()
+    try:
+        rollout = gw.new_rollout()
+        s = OpenStream(rollout["openai_base_url"], rollout["api_key"], _body(True))
+        s.join(30)  # well before the first-token timeout
+        assert s.error is not None and "no next chunk for 1s" in s.error["message"], s.error
+        [call] = gw.calls(rollout["rollout_id"])
+        assert call["status"] == "failed" and "frozen" in call["error"]
     finally:
         gw.stop()
 
