@@ -12,7 +12,7 @@ after `eject_after` consecutive failures a replica is ejected (no calls) until a
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -64,15 +64,14 @@ class Health:
     failures: int = 0  # consecutive
     ejected: bool = False
     reason: str | None = None  # the last failure
-    since: float = 0.0  # when `ejected` last changed
-    transitions: list[tuple[float, bool]] = field(default_factory=list)
+    since: float = 0.0  # when `ejected` last changed (monotonic seconds)
 
     def failure(self, now: float, reason: str) -> bool:
         """Counts a failure; True if it ejects the replica just now."""
         self.failures += 1
         self.reason = reason
         if not self.ejected and self.failures >= self.eject_after:
-            self._set(now, True)
+            self.ejected, self.since = True, now
             return True
         return False
 
@@ -80,12 +79,6 @@ class Health:
         """A passed probe or a good call; True if it takes an ejected replica back."""
         self.failures = 0
         if self.ejected:
-            self._set(now, False)
+            self.ejected, self.since = False, now
             return True
         return False
-
-    def _set(self, now: float, ejected: bool) -> None:
-        self.ejected = ejected
-        self.since = now
-        self.transitions.append((now, ejected))
-        del self.transitions[:-20]  # the recent history an operator reads in /admin/upstreams

@@ -54,6 +54,8 @@ class Replica:
             "in_flight": self.in_flight,
             "consecutive_failures": h.failures,
             "last_failure": h.reason,
+            # how long it has been ejected or back (None: never ejected)
+            "state_for_s": round(time.monotonic() - h.since, 1) if h.since else None,
         }
 
 
