@@ -39,7 +39,7 @@ def second_replica(tiny_model_dir, tmp_path_factory):
 
 def _gateway(urls, database_url, tmp_path, *extra) -> GatewayProcess:
     return GatewayProcess(urls, database_url, "--probe-interval", "0.5", "--eject-after", "2",
-                          *extra, log_path=tmp_path / "gw.log").start()
+                          *extra, log_path=tmp_path / "gw.log").start(timeout=180)
 
 
 def _short_call(rollout: dict, model: str, stream: bool = False):
