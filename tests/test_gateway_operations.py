@@ -259,12 +259,13 @@ def test_metrics_move_with_calls_and_every_response_has_a_request_id(vllm_server
 
 def test_past_max_inflight_callers_get_protocol_shaped_429_and_529(vllm_server, database_url,
                                                                    tmp_path):
+    # The two streams hold both places until the gateway stops (and aborts them after 1 s).
     gw = GatewayProcess([vllm_server.url], database_url, "--max-inflight", "2",
-                        log_path=tmp_path / "gw.log").start()
+                        "--drain-timeout", "1", log_path=tmp_path / "gw.log").start()
     try:
         rollout = gw.new_rollout()
         streams = [OpenStream(rollout["openai_base_url"], rollout["api_key"],
-                              long_stream_body(vllm_server.model, 3000)) for _ in range(2)]
+                              long_stream_body(vllm_server.model, 20000)) for _ in range(2)]
         for s in streams:
             assert s.started.wait(180) and s.exception is None
         oai = openai.OpenAI(base_url=rollout["openai_base_url"], api_key=rollout["api_key"],
@@ -282,6 +283,7 @@ def test_past_max_inflight_callers_get_protocol_shaped_429_and_529(vllm_server, 
         assert info.value.status_code == 529
         assert info.value.body["error"]["type"] == "overloaded_error"
         assert info.value.response.headers["retry-after"] == "1"
+        assert not any(s.ended.is_set() for s in streams)  # both were in flight throughout
     finally:
         gw.stop()
     for s in streams:
