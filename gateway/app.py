@@ -10,9 +10,11 @@ import asyncpg
 import msgspec
 from aiohttp import web
 
-from gateway import admin
+from gateway import admin, admin_upstreams, traffic
+from gateway.auth import check_admin
 from gateway.config import GatewayConfig
 from gateway.finalize import merge_rollout
+from gateway.metrics import CONTENT_TYPE_LATEST
 from gateway.protocols import anthropic, chat, completions, openai_common, responses
 from gateway.protocols.errors import GatewayError
 from gateway.relay import relay, upstream_error
@@ -69,9 +71,15 @@ async def protocol_errors(request: web.Request, handler):
 def _model_route(proto):
     async def handler(request: web.Request) -> web.StreamResponse:
         svc: Services = request.app["services"]
-        rollout_id = await svc.keys.rollout_for(request.headers)
-        raw = await request.read()
-        return await relay(request, proto, raw, rollout_id)
+        traffic.refuse_if_busy(request, svc.model_requests, svc.config.max_inflight,
+                               svc.closing)
+        svc.model_requests += 1
+        try:
+            rollout_id = await svc.keys.rollout_for(request.headers)
+            raw = await traffic.read_body(request, svc.config.body_timeout_s)
+            return await relay(request, proto, raw, rollout_id)
+        finally:
+            svc.model_requests -= 1
 
     return handler
 
@@ -80,12 +88,14 @@ async def count_tokens(request: web.Request) -> web.Response:
     """Anthropic's token counter, answered by the engine's own tokenizer and chat template."""
     svc: Services = request.app["services"]
     rollout_id = await svc.keys.rollout_for(request.headers)
-    req = anthropic.parse_count_tokens(await request.read())
+    req = anthropic.parse_count_tokens(
+        await traffic.read_body(request, svc.config.body_timeout_s)
+    )
     body = anthropic.count_tokens_request(req)
     model = req.body.model
     await svc.check_model(model)
     body["model"] = model
-    upstream = svc.upstreams.pick(rollout_id)
+    upstream, _ = svc.upstreams.route(rollout_id, svc.upstreams.placed(rollout_id))
     resp = await svc.upstreams.post(upstream, "/tokenize", msgspec.json.encode(body))
     async with resp:
         raw = await resp.read()
@@ -147,6 +157,19 @@ async def healthz(request: web.Request) -> web.Response:
     )
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus exposition; the admin key guards it like the rest of the operator's view."""
+    svc: Services = request.app["services"]
+    check_admin(request.headers, svc.config.admin_key)
+    m = svc.metrics
+    if m.due_for_database():
+        async with svc.pool.acquire() as conn:
+            m.database_values(
+                await rollouts_store.count_by_status(conn), await traces_store.harness_metrics(conn)
+            )
+    return web.Response(body=m.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 async def _end_overdue(svc: Services) -> None:
     """Rollouts past their deadline end as `timeout` and are merged; ended rollouts left
     unmerged by a gateway that died are merged too. Safe with several gateways: the UPDATE picks
@@ -166,7 +189,10 @@ async def _end_overdue(svc: Services) -> None:
 
 
 def build_app(config: GatewayConfig, pool: asyncpg.Pool) -> web.Application:
-    app = web.Application(middlewares=[protocol_errors], client_max_size=config.max_body_bytes)
+    app = web.Application(
+        middlewares=[traffic.observe, protocol_errors], client_max_size=config.max_body_bytes
+    )
+    app.on_response_prepare.append(traffic.stamp_headers)
     svc = Services(config, pool)
     app["services"] = svc
 
@@ -186,5 +212,7 @@ def build_app(config: GatewayConfig, pool: asyncpg.Pool) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/", root)
+    app.router.add_get("/metrics", metrics)
     app.router.add_routes(admin.routes)
+    app.router.add_routes(admin_upstreams.routes)
     return app

@@ -60,7 +60,8 @@ class RolloutKeys:
     """Key -> running rollout, cached briefly so the hot path rarely touches the database.
 
     Ending a rollout on this gateway drops its entry at once; on other gateways an entry lives
-    at most `ttl_s`, bounding how long an ended key still works there.
+    at most `ttl_s`, bounding how long an ended key still works there. An entry never outlives
+    the rollout's deadline.
     """
 
     def __init__(self, pool: asyncpg.Pool, ttl_s: float = 2.0) -> None:
@@ -96,9 +97,21 @@ class RolloutKeys:
                 "authentication_error",
                 code="invalid_api_key",
             )
+        left = row["left"]
+        if left is not None and left <= 0:
+            self._cache.pop(digest, None)
+            raise GatewayError(
+                401,
+                "this rollout is past its deadline; its key no longer works",
+                "authentication_error",
+                code="invalid_api_key",
+            )
         if len(self._cache) > 100_000:
             self._cache.clear()
-        self._cache[digest] = (row["id"], now + self._ttl_s)
+        # Cached no longer than the deadline: the key stops working the moment it passes,
+        # not at the next sweep.
+        ttl = self._ttl_s if left is None else min(self._ttl_s, left)
+        self._cache[digest] = (row["id"], now + ttl)
         return row["id"]
 
     def forget(self, rollout_id: UUID) -> None:

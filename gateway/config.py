@@ -45,8 +45,32 @@ class GatewayConfig:
     # template and tokenizer wherever they reproduce the engine's ids (else by the engine).
     local_template: Path | None = None
     merge_options: MergeOptions = field(default_factory=MergeOptions)
+    # Operating many replicas and gateways (see README, "Running at scale").
+    eject_after: int = 3  # consecutive failures that take a replica out of service
+    probe_interval_s: float = 2.0  # active /health checks of every replica
+    replica_max_inflight: int | None = None  # new rollouts avoid replicas this busy
+    ttft_timeout_s: float = 120.0  # a stream's first chunk, else the replica is frozen
+    stream_idle_timeout_s: float = 30.0  # between chunks of a stream
+    max_inflight: int = 1024  # model calls this gateway serves at once; past it 429/529
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long in-flight calls may still run
+    idle_timeout_s: float = 15.0  # a connection's time to send a request head (keep-alive)
+    body_timeout_s: float = 30.0  # a request's time to send its whole body
+    db_pool_size: int = 10
 
     def __post_init__(self) -> None:
+        for name in ("eject_after", "max_inflight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("probe_interval_s", "ttft_timeout_s", "stream_idle_timeout_s",
+                     "idle_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                flag = name.removesuffix("_s").replace("_", "-")
+                raise ValueError(f"--{flag} must be a positive number of seconds")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError("--drain-timeout must be zero or more seconds")
+        if self.db_pool_size < 4:
+            # The recorder and the policy listener each hold one connection for good.
+            raise ValueError("--db-pool-size must be at least 4")
         if self.continuation not in ("exact", "render"):
             raise ValueError(f"continuation must be exact or render, not {self.continuation!r}")
         self.upstreams = [u.rstrip("/") for u in self.upstreams]
@@ -67,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="upstreams",
         metavar="URL",
         help="vLLM server root, e.g. http://127.0.0.1:8000; repeat for several replicas "
-        "(env ROLLTAP_UPSTREAMS, comma separated). A rollout always goes to the same replica.",
+        "(env ROLLTAP_UPSTREAMS, comma separated). A rollout stays on one replica while it is "
+        "healthy; more can be added at run time (POST /admin/upstreams).",
     )
     parser.set_defaults(env_upstreams=env_upstreams)
     parser.add_argument(
@@ -180,6 +205,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default=_env(f"TRAIN_{what.upper()}", "0") in ("1", "true", "yes"),
             help=f"merge: also train {why} (excluded by default; env ROLLTAP_TRAIN_{what.upper()})",
         )
+    _add_scale_arguments(parser)
+
+
+def _add_scale_arguments(parser: argparse.ArgumentParser) -> None:
+    def option(flag: str, env: str, kind, default, help_text: str, metavar: str = "N") -> None:
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=kind(_env(env, str(default))) if default is not None or _env(env) else None,
+            metavar=metavar,
+            help=f"{help_text} (env ROLLTAP_{env}; default %(default)s)",
+        )
+
+    option("--eject-after", "EJECT_AFTER", int, 3,
+           "consecutive failures (probes, connect errors, 5xx, broken or frozen streams) that "
+           "take a replica out of service until a /health probe passes")
+    option("--probe-interval", "PROBE_INTERVAL", float, 2.0,
+           "seconds between /health probes of every replica", "SECONDS")
+    option("--replica-max-inflight", "REPLICA_MAX_INFLIGHT", int, None,
+           "new rollouts avoid a replica with this many calls in flight while another has room")
+    option("--ttft-timeout", "TTFT_TIMEOUT", float, 120.0,
+           "seconds a stream may wait for its first chunk; then the call fails and the replica "
+           "counts a failure", "SECONDS")
+    option("--stream-idle-timeout", "STREAM_IDLE_TIMEOUT", float, 30.0,
+           "seconds a stream may go without a chunk; then the call fails and the replica "
+           "counts a failure", "SECONDS")
+    option("--max-inflight", "MAX_INFLIGHT", int, 1024,
+           "model calls served at once; past it callers get 429 (OpenAI) or 529 (Anthropic) "
+           "with Retry-After")
+    option("--drain-timeout", "DRAIN_TIMEOUT", float, 30.0,
+           "on SIGTERM/SIGINT, seconds in-flight calls may still finish; then they are "
+           "recorded aborted and ended with an error event", "SECONDS")
+    option("--idle-timeout", "IDLE_TIMEOUT", float, 15.0,
+           "seconds a connection may take to send a request head, also between keep-alive "
+           "requests; then it is closed", "SECONDS")
+    option("--body-timeout", "BODY_TIMEOUT", float, 30.0,
+           "seconds a request may take to send its body; then it gets 408", "SECONDS")
+    option("--db-pool-size", "DB_POOL_SIZE", int, 10,
+           "Postgres connections in the pool (at least 4)")
 
 
 def from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -189,6 +253,13 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
             "rolltap gateway: no upstream. Pass --upstream http://HOST:PORT (a vLLM server, e.g. "
             "from `rolltap serve-model`) or set ROLLTAP_UPSTREAMS."
         )
+    try:
+        return _config(args, upstreams)
+    except ValueError as exc:
+        raise SystemExit(f"rolltap gateway: {exc}") from None
+
+
+def _config(args: argparse.Namespace, upstreams: list[str]) -> GatewayConfig:
     return GatewayConfig(
         upstreams=upstreams,
         host=args.host,
@@ -211,4 +282,14 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
             train_abandoned=args.train_abandoned,
             train_aborted=args.train_aborted,
         ),
+        eject_after=args.eject_after,
+        probe_interval_s=args.probe_interval,
+        replica_max_inflight=args.replica_max_inflight,
+        ttft_timeout_s=args.ttft_timeout,
+        stream_idle_timeout_s=args.stream_idle_timeout,
+        max_inflight=args.max_inflight,
+        drain_timeout_s=args.drain_timeout,
+        idle_timeout_s=args.idle_timeout,
+        body_timeout_s=args.body_timeout,
+        db_pool_size=args.db_pool_size,
     )

@@ -36,6 +36,12 @@ class Recorder:
         self._queue: asyncio.Queue[tuple[calls_store.CallRecord, asyncio.Future]] = asyncio.Queue()
         self._writer: asyncio.Task | None = None
         self.stats = RecorderStats()
+        self.on_commit = None  # (batch size, seconds) -> None; the metrics hook
+
+    @property
+    def depth(self) -> int:
+        """Records waiting for a commit."""
+        return self._queue.qsize()
 
     def start(self) -> None:
         self._writer = asyncio.create_task(self._write_forever(), name="rolltap-recorder")
@@ -90,10 +96,13 @@ class Recorder:
                         if not fut.done():
                             fut.set_result(None)
                     st = self.stats
+                    elapsed = time.perf_counter() - started
                     st.commits += 1
                     st.records += len(batch)
-                    st.commit_seconds += time.perf_counter() - started
+                    st.commit_seconds += elapsed
                     st.largest_batch = max(st.largest_batch, len(batch))
+                    if self.on_commit is not None:
+                        self.on_commit(len(batch), elapsed)
                 finally:
                     for _ in batch:
                         self._queue.task_done()

@@ -22,7 +22,7 @@ from gateway.protocols.normalize import normalize_messages
 from gateway.services import Services
 from gateway.store import calls as calls_store
 from gateway.store.tokens import IDS, LOGPROBS
-from gateway.upstream import sse_batches
+from gateway.upstream import StreamStalled, sse_batches
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,32 @@ class _Call:
         # For stateful protocols: response object -> what to store for later continuation.
         self.state = None
         self.state_source = None  # the response object (or its bytes) given to the client
+        self.rerouted: str | None = None  # why this call left its rollout's replica
+        # Set by `abort` (shutdown deadline, ejected replica): (status to record, why).
+        self.aborted: tuple[str, str] | None = None
+        self._task: asyncio.Task | None = None
+        self._recording = False
+
+    def abort(self, status: str, reason: str) -> None:
+        """Ends the call from outside: it stops waiting on the engine, records `status` and
+        answers with an error in its protocol. No-op once it is recording."""
+        # A call whose own failure ejects its replica is already ending; it is not aborted.
+        task = self._task
+        if (
+            self.aborted is None
+            and not self._recording
+            and task is not None
+            and task is not asyncio.current_task()
+        ):
+            self.aborted = (status, reason)
+            task.cancel()
+
+    def abort_error(self) -> GatewayError:
+        assert self.aborted is not None
+        return GatewayError(503, self.aborted[1], "overloaded_error")
 
     async def record(self, status: str, error: str | None = None) -> None:
+        self._recording = True
         svc = self.svc
         cap = self.capture
         prompt = np.asarray(cap.prompt_ids or (), dtype=IDS)
@@ -188,8 +212,12 @@ class _Call:
             response_id=response_id,
             continuation=msgspec.to_builtins(turn.record) if turn else None,
             reply_keys=reply_keys,
+            rerouted=self.rerouted,
         )
         await svc.recorder.record(rec)
+        svc.metrics.call_recorded(rec)
+        log.debug("recorded call %s of rollout %s: %s on %s%s", self.id, self.rollout_id,
+                  status, self.upstream, f" (rerouted: {self.rerouted})" if self.rerouted else "")
         if reply_keys:  # committed: a later call may now name it as its base
             svc.continuer.remember(self.rollout_id, self.id, reply_keys)
 
@@ -222,30 +250,81 @@ async def relay(
         # context is full.
         body["max_tokens"] = call.applied["max_tokens"] = cap
     body["model"] = ctx.model
-    call.upstream = svc.upstreams.pick(rollout_id)
+    previous = svc.upstreams.placed(rollout_id)
+    if previous is None:  # first call here: continue where another gateway placed it
+        async with svc.pool.acquire() as conn:
+            previous = await calls_store.last_upstream(conn, rollout_id)
+    call.upstream, call.rerouted = svc.upstreams.route(rollout_id, previous)
     if proto.UPSTREAM_PATH == "/v1/chat/completions":  # legacy completions has no messages
         call.turn = await svc.continuer.prepare(rollout_id, call.upstream, body)
         if call.turn.prompt_ids is not None:
             body["kv_transfer_params"] = {"prompt_token_ids": call.turn.prompt_ids.tolist()}
-    version_at_start = svc.policy_version
-
+    call._task = asyncio.current_task()
+    svc.calls.add(call)
     try:
-        resp = await svc.upstreams.post(call.upstream, proto.UPSTREAM_PATH, _encode(body))
-    except GatewayError as err:
-        await call.record("failed", err.message)
-        raise
-    async with resp:
-        if resp.status != 200:
-            err = upstream_error(resp.status, await resp.read())
-            await call.record("failed", err.message)
-            raise err
-        if not body.get("stream"):
-            return await _whole(request, proto, ctx, call, resp, version_at_start)
-        return await _streamed(request, proto, ctx, call, resp)
+        return await _forward(request, proto, ctx, call, body)
+    finally:
+        svc.calls.discard(call)
+
+
+async def _forward(request, proto, ctx, call: _Call, body: dict) -> web.StreamResponse:
+    svc = call.svc
+    upstreams = svc.upstreams
+    encoded = _encode(body)
+    streamed = bool(body.get("stream"))
+    # A frozen engine never answers a whole-response call; ejecting its replica ends it.
+    on_eject = None if streamed else (lambda why: call.abort("failed", why))
+    for attempt in range(2):
+        version_at_start = svc.policy_version
+        upstream = call.upstream
+        upstreams.begin(upstream, on_eject)
+        try:
+            try:
+                resp = await upstreams.post(upstream, proto.UPSTREAM_PATH, encoded)
+            except GatewayError as err:
+                upstreams.failed(upstream, err.message)
+                if attempt == 0 and isinstance(err.__cause__, aiohttp.ClientConnectorError):
+                    # Nothing reached the engine, so another replica can take the call as is.
+                    try:
+                        call.upstream, call.rerouted = upstreams.route(
+                            call.rollout_id, upstream, avoid=upstream
+                        )
+                    except GatewayError:
+                        pass
+                    else:
+                        continue
+                await call.record("failed", err.message)
+                raise
+            async with resp:
+                if resp.status != 200:
+                    if resp.status >= 500:
+                        upstreams.failed(upstream, f"HTTP {resp.status}")
+                    err = upstream_error(resp.status, await resp.read())
+                    await call.record("failed", err.message)
+                    raise err
+                if not streamed:
+                    return await _whole(request, proto, ctx, call, resp, version_at_start)
+                return await _streamed(request, proto, ctx, call, resp)
+        except asyncio.CancelledError:
+            if call.aborted is None:
+                raise
+            asyncio.current_task().uncancel()
+            await call.record(*call.aborted)
+            raise call.abort_error() from None
+        finally:
+            upstreams.end(upstream, on_eject)
+    raise AssertionError("unreachable")
 
 
 async def _whole(request, proto, ctx, call: _Call, resp, version_at_start: int) -> web.Response:
-    payload = _decode(await resp.read())
+    try:
+        raw = await resp.read()
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        message = f"upstream response broke: {exc or type(exc).__name__}"
+        call.svc.upstreams.failed(call.upstream, message)
+        await call.record("failed", message)
+        raise GatewayError(502, message, "upstream_error") from None
+    payload = _decode(raw)
     # The tokens were sampled under the version live at the start or the one at the end: stamp
     # the older, so staleness is never underestimated.
     call.capture.add_response(payload, min(version_at_start, call.svc.policy_version))
@@ -253,6 +332,7 @@ async def _whole(request, proto, ctx, call: _Call, resp, version_at_start: int) 
     problem = call.capture.check()
     out = proto.from_upstream(payload, ctx) if problem is None else b""
     call.state_source = out
+    call.svc.upstreams.succeeded(call.upstream)
     await call.record("ok" if problem is None else "failed", problem)
     if problem is not None:
         raise GatewayError(
@@ -270,9 +350,12 @@ async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamRespons
     stream = proto.Stream(ctx)
     cap = call.capture
     failure: GatewayError | None = None
+    status = "failed"  # if it fails
+    cfg = svc.config
+    batches = sse_batches(resp, cfg.ttft_timeout_s, cfg.stream_idle_timeout_s)
     try:
         done = False
-        async for batch in sse_batches(resp):
+        async for batch in batches:
             pieces = []
             for data in batch:
                 if data == b"[DONE]":
@@ -296,15 +379,27 @@ async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamRespons
                 await out.write(joined)
             if done or failure is not None:
                 break
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
-        # The client went away: closing the upstream response aborts the engine's request.
+    except asyncio.CancelledError:
+        if call.aborted is None:  # the client went away
+            resp.close()  # closing the upstream response aborts the engine's request
+            await call.record("aborted", "client disconnected")
+            raise
+        asyncio.current_task().uncancel()
+        status, failure = call.aborted[0], call.abort_error()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         resp.close()
         await call.record("aborted", "client disconnected")
         raise
+    except StreamStalled as exc:
+        failure = GatewayError(504, f"upstream {call.upstream}: {exc}", "upstream_error")
+        svc.upstreams.failed(call.upstream, str(exc))
     except (TimeoutError, aiohttp.ClientError) as exc:
         failure = GatewayError(
             502, f"upstream stream broke: {exc or type(exc).__name__}", "upstream_error"
         )
+        svc.upstreams.failed(call.upstream, failure.message)
+    finally:
+        await batches.aclose()  # stops its timer now, not when the generator is collected
     if failure is None and cap.finish_reason in ("abort", "error"):
         failure = GatewayError(
             502, f"engine ended the response with {cap.finish_reason!r}", "upstream_error"
@@ -319,8 +414,10 @@ async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamRespons
             failure = GatewayError(
                 502, f"engine response unusable for training: {problem}", "upstream_error"
             )
+    if failure is None:
+        svc.upstreams.succeeded(call.upstream)
     await call.record(
-        "ok" if failure is None else "failed", None if failure is None else failure.message
+        "ok" if failure is None else status, None if failure is None else failure.message
     )
     try:
         await out.write(stream.close() if failure is None else stream.fail(failure))

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
+import time
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
@@ -21,6 +25,12 @@ def register(subparsers) -> None:
 
     config.add_arguments(parser)
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="text lines, or one JSON object a line; both carry each call's X-Request-Id",
+    )
     parser.set_defaults(func=run)
 
 
@@ -37,14 +47,24 @@ async def _serve(cfg) -> None:
         )
         dsn = await asyncio.to_thread(start_embedded, cfg.data_dir)
     try:
-        pool = await open_pool(dsn)
+        pool = await open_pool(dsn, min_size=2, max_size=cfg.db_pool_size)
     except Exception as exc:  # noqa: BLE001 - asyncpg raises many unrelated types here
         raise SystemExit(
             f"rolltap gateway: cannot open database {dsn!r}: {exc}. Check "
             "--database-url (or drop it to use the embedded Postgres)."
         ) from exc
     app = build_app(cfg, pool)
-    runner = web.AppRunner(app, access_log=None)
+    # keepalive_timeout bounds a connection's wait for a complete request head, from its first
+    # byte and between keep-alive requests: slow-header and idle connections are closed. After
+    # an answer that left the body unread (a 408 for a trickling body), the rest is drained for
+    # at most lingering_time, so the client can still read the answer before the close.
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        keepalive_timeout=cfg.idle_timeout_s,
+        lingering_time=2.0,
+        shutdown_timeout=5.0,
+    )
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
     await site.start()
@@ -58,21 +78,46 @@ async def _serve(cfg) -> None:
         f"(public {cfg.public_url}); upstreams: {', '.join(cfg.upstreams)}",
         flush=True,
     )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
+        print("rolltap gateway: shutting down; in-flight calls may finish", flush=True)
+        await _drain(runner, app["services"], cfg.drain_timeout_s)
     finally:
-        await runner.cleanup()
+        await runner.cleanup()  # commits queued records (the recorder drains on close)
         await pool.close()
+    print("rolltap gateway: stopped", flush=True)
+
+
+async def _drain(runner, svc, timeout_s: float) -> None:
+    """Stop accepting, let in-flight calls finish for `timeout_s`, then end the rest: each is
+    recorded `aborted` and its client gets an error in its protocol."""
+    svc.closing = True
+    for site in list(runner.sites):
+        await site.stop()
+    runner.server.pre_shutdown()  # idle keep-alive connections close now, busy ones after
+    deadline = time.monotonic() + timeout_s
+    while svc.model_requests and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if svc.model_requests:
+        log.warning("drain timeout: aborting %d calls still in flight", len(svc.calls))
+        for call in list(svc.calls):
+            call.abort("aborted", f"the gateway shut down ({timeout_s:g} s drain timeout)")
+        # Each aborted call records itself and writes its error event; give them the time.
+        finish_by = time.monotonic() + 30
+        while svc.model_requests and time.monotonic() < finish_by:
+            await asyncio.sleep(0.05)
 
 
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    from gateway import config
+    from gateway import config, logs
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(args.log_level, args.log_format)
     cfg = config.from_args(args)
     if not args.admin_key:
         print(

@@ -12,6 +12,8 @@ import zstandard
 from gateway.auth import RolloutKeys
 from gateway.config import GatewayConfig
 from gateway.continuer import Continuer
+from gateway.metrics import Metrics
+from gateway.policy import PolicyFollower
 from gateway.protocols.errors import GatewayError
 from gateway.recorder import Recorder
 from gateway.render import (
@@ -21,7 +23,6 @@ from gateway.render import (
     RenderError,
     Unsupported,
 )
-from gateway.store import rollouts as rollouts_store
 from gateway.store.tokens import RecentCalls
 from gateway.upstream import Upstreams
 
@@ -45,12 +46,32 @@ class Services:
         self.config = config
         self.pool = pool
         self.recorder = Recorder(pool)
-        self.upstreams = Upstreams(config.upstreams, config.upstream_timeout_s)
+        self.upstreams = Upstreams(
+            config.upstreams,
+            config.upstream_timeout_s,
+            eject_after=config.eject_after,
+            probe_interval_s=config.probe_interval_s,
+            replica_max_inflight=config.replica_max_inflight,
+        )
         self.keys = RolloutKeys(pool)
         self.recent = RecentCalls()
         self.renderer = _renderer(config, self.upstreams)
         self.continuer = Continuer(config.continuation, pool, self.recent, self.renderer)
         self.policy_version = 0
+        self.policy = PolicyFollower(pool, self._set_policy_version)
+        # Model calls in flight here (each with an `abort(reason)`), for back-pressure and for
+        # ending them in the protocol's terms when a shutdown's drain time is up.
+        self.calls: set = set()
+        self.model_requests = 0  # model-route requests being served, for --max-inflight
+        self.closing = False  # set on SIGTERM: new calls are refused, in-flight ones finish
+        self.metrics = Metrics()
+        self.metrics.watch(
+            lambda: self.upstreams.replicas.values(),
+            lambda: self.recorder.depth,
+            lambda: self.model_requests,
+            lambda: self.policy_version,
+        )
+        self.recorder.on_commit = self.metrics.committed
         self._models: set[str] = set()
         self._models_checked = 0.0
         # Level 3 costs ~3x less CPU than the default 19-level search and still shrinks JSON
@@ -60,8 +81,7 @@ class Services:
     async def start(self) -> None:
         await self.upstreams.open()
         self.recorder.start()
-        async with self.pool.acquire() as conn:
-            self.policy_version = await rollouts_store.policy_version(conn)
+        await self.policy.start()
         self._models = await self.upstreams.served_models()
         self._models_checked = time.monotonic()
         if isinstance(self.renderer, CheckedRenderer):
@@ -72,7 +92,13 @@ class Services:
                     except (RenderError, TimeoutError) as exc:  # checked again on first use
                         log.warning("local template self-check on %s failed: %r", url, exc)
 
+    def _set_policy_version(self, version: int) -> None:
+        if version != self.policy_version:
+            log.info("policy version %d -> %d", self.policy_version, version)
+        self.policy_version = version
+
     async def close(self) -> None:
+        await self.policy.stop()
         await self.recorder.close()
         await self.upstreams.close()
 

@@ -1,21 +1,94 @@
-"""The vLLM replicas: one shared connection pool, sticky routing, SSE reading, health."""
+"""The vLLM replicas: one shared connection pool, placement, health, SSE reading.
+
+Placement is sticky: a rollout's calls stay on the replica of its last call (its prompt prefix
+is cached there) unless that replica is ejected, draining or removed; then the next call goes
+to the best live replica by rendezvous hashing and is recorded as rerouted, with the reason.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
 from uuid import UUID
 
 import aiohttp
+import numpy as np
 
 from gateway.protocols.errors import GatewayError
+from gateway.routing import Health, place, replica_seed
+
+log = logging.getLogger(__name__)
+
+_PLACEMENTS_KEPT = 200_000  # rollouts whose replica is remembered in memory
+
+
+class Replica:
+    __slots__ = ("url", "seed", "draining", "health", "in_flight", "_aborts")
+
+    def __init__(self, url: str, eject_after: int) -> None:
+        self.url = url
+        self.seed = replica_seed(url)
+        self.draining = False
+        self.health = Health(eject_after=eject_after)
+        self.in_flight = 0
+        # Calls waiting for a whole (non-streamed) response: a frozen engine never answers
+        # them, so ejecting the replica ends them (streams have their own idle timeout).
+        self._aborts: set[Callable[[str], None]] = set()
+
+    @property
+    def available(self) -> bool:
+        return not self.draining and not self.health.ejected
+
+    def unavailable_reason(self) -> str:
+        if self.draining:
+            return f"replica {self.url} is draining"
+        return f"replica {self.url} is ejected ({self.health.reason})"
+
+    def describe(self) -> dict:
+        h = self.health
+        return {
+            "url": self.url,
+            "state": "draining" if self.draining else "ejected" if h.ejected else "healthy",
+            "in_flight": self.in_flight,
+            "consecutive_failures": h.failures,
+            "last_failure": h.reason,
+            # how long it has been ejected or back (None: never ejected)
+            "state_for_s": round(time.monotonic() - h.since, 1) if h.since else None,
+        }
 
 
 class Upstreams:
-    def __init__(self, urls: list[str], timeout_s: float) -> None:
-        self.urls = urls
+    def __init__(
+        self,
+        urls: list[str],
+        timeout_s: float,
+        *,
+        eject_after: int = 3,
+        probe_interval_s: float = 2.0,
+        probe_timeout_s: float = 5.0,
+        replica_max_inflight: int | None = None,
+    ) -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
+        self._eject_after = eject_after
+        self._probe_interval_s = probe_interval_s
+        self._probe_timeout_s = probe_timeout_s
+        self._max_inflight = replica_max_inflight
+        self.replicas: dict[str, Replica] = {}
+        self._placed: dict[UUID, str] = {}
+        self._list: list[Replica] = []
+        self._live: list[Replica] = []  # available: not ejected, not draining
+        self._live_seeds = np.zeros(0, dtype=np.uint64)
         self.session: aiohttp.ClientSession | None = None
+        self._prober: asyncio.Task | None = None
+        self.on_change: Callable[[Replica], None] | None = None  # metrics hook
+        for url in urls:
+            self.add(url)
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self._list]
 
     async def open(self) -> None:
         # One pool for all requests; no per-host cap: concurrency is bounded by the harnesses.
@@ -24,15 +97,165 @@ class Upstreams:
             timeout=self._timeout,
             auto_decompress=True,
         )
+        self._prober = asyncio.create_task(self._probe_forever(), name="rolltap-probe")
 
     async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
         if self.session is not None:
             await self.session.close()
 
-    def pick(self, rollout_id: UUID) -> str:
-        """The same replica for every call of a rollout, so its growing prompt hits the prefix
-        cache. uuid4 bits are uniform, so their value modulo N spreads rollouts evenly."""
-        return self.urls[rollout_id.int % len(self.urls)]
+    # -- the replica set ---------------------------------------------------------------------
+
+    def add(self, url: str) -> Replica:
+        """Adds a replica (or takes a draining one back into service)."""
+        url = url.rstrip("/")
+        replica = self.replicas.get(url)
+        if replica is None:
+            replica = self.replicas[url] = Replica(url, self._eject_after)
+        replica.draining = False
+        self._changed(replica)
+        return replica
+
+    def drain(self, url: str) -> Replica | None:
+        """No new calls for `url`; its in-flight calls finish."""
+        replica = self.replicas.get(url.rstrip("/"))
+        if replica is not None:
+            replica.draining = True
+            self._changed(replica)
+        return replica
+
+    def remove(self, url: str) -> Replica | None:
+        """Forgets `url`; calls already streaming from it finish on their open connections."""
+        replica = self.replicas.pop(url.rstrip("/"), None)
+        if replica is not None:
+            replica.draining = True
+            self._changed(replica)
+        return replica
+
+    def _changed(self, replica: Replica) -> None:
+        # Placement reads these on every new rollout; they change only with the replica set.
+        self._list = list(self.replicas.values())
+        self._live = [r for r in self._list if r.available]
+        self._live_seeds = np.array([r.seed for r in self._live], dtype=np.uint64)
+        if self.on_change is not None:
+            self.on_change(replica)
+
+    # -- placement ---------------------------------------------------------------------------
+
+    def placed(self, rollout_id: UUID) -> str | None:
+        return self._placed.get(rollout_id)
+
+    def route(
+        self, rollout_id: UUID, previous: str | None, avoid: str | None = None
+    ) -> tuple[str, str | None]:
+        """(replica for the next call of `rollout_id`, why it moved or None). `previous` is
+        where its last call went (None for a new rollout); `avoid` a replica that just failed."""
+        reason = None
+        if previous is not None:
+            replica = self.replicas.get(previous)
+            usable = replica is not None and (
+                replica.available or (not self._live and not replica.draining)
+            )
+            if usable and previous != avoid:
+                self._placed[rollout_id] = previous
+                return previous, None
+            if replica is None:
+                reason = f"replica {previous} was removed"
+            elif previous == avoid:
+                reason = f"replica {previous} failed: {replica.health.reason}"
+            else:
+                reason = replica.unavailable_reason()
+        url = self._place_new(rollout_id, avoid)
+        if len(self._placed) > _PLACEMENTS_KEPT:
+            self._placed.clear()  # re-read from the calls table on the next call of each
+        self._placed[rollout_id] = url
+        return url, reason
+
+    def _place_new(self, rollout_id: UUID, avoid: str | None) -> str:
+        live, seeds, eligible = self._live, self._live_seeds, None
+        if not live:
+            # Every replica ejected: health checks may be wrong (an overloaded engine answers
+            # /health late), and trying beats refusing every call.
+            live = [r for r in self._list if not r.draining]
+            seeds = np.array([r.seed for r in live], dtype=np.uint64)
+        if avoid is not None or self._max_inflight is not None:
+            eligible = np.array([r.url != avoid for r in live], dtype=bool)
+            if self._max_inflight is not None:
+                roomy = eligible & np.array(
+                    [r.in_flight < self._max_inflight for r in live], dtype=bool
+                )
+                if roomy.any():  # all full: the gateway's own --max-inflight pushes back
+                    eligible = roomy
+        i = place(rollout_id.int, seeds, eligible)
+        if i < 0:
+            states = ", ".join(f"{r.url} {r.describe()['state']}" for r in self._list) or "none"
+            raise GatewayError(
+                503,
+                f"no healthy upstream replica (replicas: {states}); retry shortly, or add one "
+                "with POST /admin/upstreams",
+                "overloaded_error",
+            )
+        return live[i].url
+
+    # -- health ------------------------------------------------------------------------------
+
+    def failed(self, url: str, reason: str) -> None:
+        """A passive signal: a call to `url` could not connect, got a 5xx, broke or froze."""
+        replica = self.replicas.get(url)
+        if replica is not None and replica.health.failure(time.monotonic(), reason):
+            log.warning("ejecting replica %s: %s", url, reason)
+            self._changed(replica)
+            for abort in list(replica._aborts):
+                abort(f"replica {url} was ejected: {reason}")
+
+    def succeeded(self, url: str) -> None:
+        replica = self.replicas.get(url)
+        if replica is not None and replica.health.success(time.monotonic()):
+            log.warning("replica %s is back", url)
+            self._changed(replica)
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._probe_interval_s)
+            await self.health()
+
+    async def health(self) -> dict[str, str]:
+        """Probes every replica's /health, feeding the result into its health state."""
+
+        async def one(url: str) -> str:
+            try:
+                assert self.session is not None
+                async with self.session.get(
+                    url + "/health", timeout=aiohttp.ClientTimeout(total=self._probe_timeout_s)
+                ) as resp:
+                    result = "ok" if resp.status == 200 else f"health check: HTTP {resp.status}"
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                result = f"health check: {exc or type(exc).__name__}"
+            if result == "ok":
+                self.succeeded(url)
+            else:
+                self.failed(url, result)
+            return result
+
+        urls = self.urls
+        results = await asyncio.gather(*(one(u) for u in urls))
+        return dict(zip(urls, results))
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def begin(self, url: str, abort: Callable[[str], None] | None = None) -> None:
+        replica = self.replicas.get(url)
+        if replica is not None:
+            replica.in_flight += 1
+            if abort is not None:
+                replica._aborts.add(abort)
+
+    def end(self, url: str, abort: Callable[[str], None] | None = None) -> None:
+        replica = self.replicas.get(url)
+        if replica is not None:
+            replica.in_flight -= 1
+            replica._aborts.discard(abort)
 
     async def post(self, base: str, path: str, body: bytes) -> aiohttp.ClientResponse:
         assert self.session is not None
@@ -53,40 +276,80 @@ class Upstreams:
             resp.raise_for_status()
             return await resp.json(content_type=None)
 
-    async def health(self) -> dict[str, str]:
-        async def one(url: str) -> str:
-            try:
-                assert self.session is not None
-                async with self.session.get(
-                    url + "/health", timeout=aiohttp.ClientTimeout(total=3)
-                ) as resp:
-                    return "ok" if resp.status == 200 else f"http {resp.status}"
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                return f"down: {exc or type(exc).__name__}"
-
-        results = await asyncio.gather(*(one(u) for u in self.urls))
-        return dict(zip(self.urls, results))
-
     async def served_models(self) -> set[str]:
         names: set[str] = set()
-        for url in self.urls:
+        for replica in self._list:
+            if not replica.available:
+                continue
             try:
-                data = await self.get_json(url, "/v1/models")
+                data = await self.get_json(replica.url, "/v1/models")
             except (TimeoutError, aiohttp.ClientError, OSError):
                 continue
             names.update(m["id"] for m in data.get("data", ()))
         return names
 
 
-async def sse_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+class StreamStalled(Exception):
+    """The engine sent nothing for longer than the call's first-token or idle timeout."""
+
+
+class _Watchdog:
+    """Fails a response's reads once nothing arrived for `timeout` seconds. One timer per
+    stream, moved lazily: a read only stores the time (a per-read asyncio.timeout costs tens
+    of µs of scheduling on every chunk)."""
+
+    __slots__ = ("_loop", "_content", "_timeout", "_what", "_deadline", "_handle", "_due")
+
+    def __init__(self, content, timeout: float, what: str) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._content = content
+        self._timeout, self._what = timeout, what
+        self._deadline = self._loop.time() + timeout
+        self._schedule()
+
+    def _schedule(self) -> None:
+        self._due = self._deadline
+        self._handle = self._loop.call_at(self._due, self._check)
+
+    def fed(self, timeout: float, what: str) -> None:
+        self._timeout, self._what = timeout, what
+        self._deadline = self._loop.time() + timeout
+        if self._deadline < self._due:  # a shorter timeout now (idle after the first token)
+            self._handle.cancel()
+            self._schedule()
+
+    def _check(self) -> None:
+        if self._loop.time() >= self._deadline:
+            self._content.set_exception(StreamStalled(
+                f"engine sent no {self._what} for {self._timeout:g}s "
+                "(frozen or overloaded replica)"
+            ))
+        else:
+            self._schedule()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+async def sse_batches(
+    resp: aiohttp.ClientResponse, first_timeout_s: float, idle_timeout_s: float
+) -> AsyncIterator[list[bytes]]:
     """The `data:` payloads of a server-sent-event stream, grouped by what arrived together,
-    so the relay answers each network read with one write instead of one per event."""
+    so the relay answers each network read with one write instead of one per event. Raises
+    StreamStalled when the first read takes over `first_timeout_s` or a later one over
+    `idle_timeout_s`: a frozen engine keeps its connection open but sends nothing."""
     pending = b""
-    async for block in resp.content.iter_any():
-        lines = (pending + block).split(b"\n")
-        pending = lines.pop()  # an incomplete last line waits for the next read
-        batch = [line[5:].strip() for line in lines if line.startswith(b"data:")]
-        if batch:
-            yield batch
+    content = resp.content
+    watchdog = _Watchdog(content, first_timeout_s, "first token")
+    try:
+        while block := await content.readany():
+            watchdog.fed(idle_timeout_s, "next chunk")
+            lines = (pending + block).split(b"\n")
+            pending = lines.pop()  # an incomplete last line waits for the next read
+            batch = [line[5:].strip() for line in lines if line.startswith(b"data:")]
+            if batch:
+                yield batch
+    finally:
+        watchdog.cancel()
     if pending.startswith(b"data:"):
         yield [pending[5:].strip()]

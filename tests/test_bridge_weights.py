@@ -116,7 +116,7 @@ def test_versions_reach_every_gateway_on_top_of_the_highest(
     try:
         admin = httpx.Client(headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
         assert admin.post(f"{gateway.url}/admin/policy", json={"version": 40}).status_code == 200
-        # The second gateway read its version at start; it does not know about 40.
+        # The second gateway learnt 40 from Postgres (NOTIFY); the offset is the highest held.
         announcer = PolicyAnnouncer.from_gateways([gateway.url, second.url], ADMIN_KEY)
         assert announcer.offset == 40
         assert announcer.announce(1) == 41 and announcer.announce(2) == 42

@@ -179,7 +179,8 @@ def _run(args: argparse.Namespace) -> int:
         unsynced_upstreams,
     )
 
-    announcer = PolicyAnnouncer.from_gateways(config.gateway, config.admin_key)
+    database_url = _database_url(config)
+    announcer = PolicyAnnouncer.from_gateways(config.gateway, config.admin_key, database_url)
     try:
         check_sampling(announcer.policies, _trainer_sampling(config))
     except SamplingMismatch as exc:
@@ -193,7 +194,7 @@ def _run(args: argparse.Namespace) -> int:
     output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     source = RolloutSource(
-        config.source_config(_database_url(config), version_offset=announcer.offset),
+        config.source_config(database_url, version_offset=announcer.offset),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
     )
     disk = None

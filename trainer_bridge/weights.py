@@ -20,6 +20,7 @@ highest version any gateway had when the run began, so versions only ever grow a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -29,11 +30,14 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import asyncpg
 import httpx
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
+
+from gateway.store import rollouts as rollouts_store
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +54,9 @@ class WeightSyncError(RuntimeError):
 
 
 class PolicyAnnouncer:
-    """Sets the policy version on every gateway (`POST /admin/policy`)."""
+    """Sets the policy version: in Postgres (with `database_url`), whose NOTIFY reaches every
+    gateway on that database, and on each listed gateway (`POST /admin/policy`), which has it
+    before this returns."""
 
     def __init__(
         self,
@@ -59,27 +65,36 @@ class PolicyAnnouncer:
         offset: int,
         timeout: float = 60,
         policies: dict[str, dict] | None = None,
+        database_url: str | None = None,
     ):
         self.gateways = [g.rstrip("/") for g in gateways]
         self.offset = offset
         self.policies = policies or {}  # each gateway's GET /admin/policy at the start
+        self.database_url = database_url
         self.announced: list[int] = []  # gateway versions, in order
         self._http = httpx.Client(
             timeout=timeout, headers={"Authorization": f"Bearer {admin_key}"}
         )
 
     @classmethod
-    def from_gateways(cls, gateways: Iterable[str], admin_key: str) -> PolicyAnnouncer:
-        """An announcer whose offset is the highest version the gateways hold now."""
+    def from_gateways(cls, gateways: Iterable[str], admin_key: str,
+                      database_url: str | None = None) -> PolicyAnnouncer:
+        """An announcer whose offset is the highest version the gateways (and the database)
+        hold now."""
         gateways = [g.rstrip("/") for g in gateways]
         with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {admin_key}"}) as http:
             policies = {g: _ok(http.get(f"{g}/admin/policy")).json() for g in gateways}
-        offset = max(p["version"] for p in policies.values())
-        return cls(gateways, admin_key, offset, policies=policies)
+        versions = [p["version"] for p in policies.values()]
+        if database_url:
+            versions.append(_in_database(database_url, rollouts_store.policy_version))
+        return cls(gateways, admin_key, max(versions), policies=policies,
+                   database_url=database_url)
 
     def announce(self, trainer_version: int) -> int:
         """Stamp new tokens with the gateway version of `trainer_version`; returns it."""
         version = self.offset + trainer_version
+        if self.database_url:
+            _in_database(self.database_url, rollouts_store.set_policy_version, version)
         for gateway in self.gateways:
             _ok(self._http.post(f"{gateway}/admin/policy", json={"version": version}))
         self.announced.append(version)
@@ -134,6 +149,21 @@ class VersionedTransfer:
 
     def destroy(self) -> None:
         self.inner.destroy()
+
+
+def _in_database(dsn: str, query, *args):
+    """Runs one store query on its own connection, from synchronous trainer code (in a thread:
+    the caller may itself be inside an event loop)."""
+
+    async def run():
+        conn = await asyncpg.connect(dsn)
+        try:
+            return await query(conn, *args)
+        finally:
+            await conn.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, run()).result()
 
 
 def _ok(response: httpx.Response) -> httpx.Response:

@@ -46,6 +46,7 @@ class CallRecord(msgspec.Struct, kw_only=True):
     response_id: str | None = None
     continuation: dict | None = None
     reply_keys: list[bytes] | None = None
+    rerouted: str | None = None  # why the call left its rollout's replica
 
 
 # The rollout row lock taken by the UPDATE numbers a rollout's calls in commit order, also when
@@ -58,10 +59,10 @@ INSERT INTO calls (
     id, rollout_id, seq, protocol, status, base_id, prefix_len, prompt_len, prompt_delta,
     completion_ids, logprobs, versions, finish_reason, offered_tools, model, requested, applied,
     request_body, response_body, upstream, latency_ms, ttft_ms, error, user_agent, response_id,
-    continuation, reply_keys
+    continuation, reply_keys, rerouted
 )
 SELECT $1, $2, bump.call_count, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
-       $17, $18, $19, $20, $21, $22, $23, $24, $25, $26
+       $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27
 FROM bump
 """
 
@@ -94,6 +95,7 @@ def insert_args(r: CallRecord) -> tuple:
         r.response_id,
         r.continuation,
         r.reply_keys,
+        r.rerouted,
     )
 
 
@@ -137,6 +139,13 @@ async def full_ids(conn: asyncpg.Connection, rollout_id: UUID, call_id: UUID) ->
     stored = [StoredTokens(*r) for r in rows]
     own = next(s for s in stored if s.id == call_id)
     return np.concatenate((reconstruct_prompts(stored)[call_id], own.completion_ids))
+
+
+async def last_upstream(conn: asyncpg.Connection, rollout_id: UUID) -> str | None:
+    """The replica the rollout's last recorded call went to (by any gateway)."""
+    return await conn.fetchval(
+        "SELECT upstream FROM calls WHERE rollout_id = $1 ORDER BY seq DESC LIMIT 1", rollout_id
+    )
 
 
 async def find_replies(
@@ -197,6 +206,7 @@ async def rollout_calls(
             "requested": r["requested"],
             "applied": r["applied"],
             "continuation": r["continuation"],
+            "rerouted": r["rerouted"],
             "created_at": r["created_at"].isoformat(),
         }
         if with_tokens:

@@ -134,6 +134,14 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX deliveries_trace ON deliveries (rollout_id, idx);
         """,
     ),
+    (
+        3,
+        """
+        -- Why a call went to another replica than its rollout's previous call (ejected,
+        -- draining, removed, failed to connect); NULL when it stayed.
+        ALTER TABLE calls ADD COLUMN rerouted text;
+        """,
+    ),
 ]
 
 _LOCK_ID = 0x726F6C6C746170  # "rolltap"

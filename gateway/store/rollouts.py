@@ -31,7 +31,12 @@ async def create(
 
 
 async def by_key_hash(conn: asyncpg.Connection, key_hash: bytes) -> asyncpg.Record | None:
-    return await conn.fetchrow("SELECT id, status FROM rollouts WHERE key_hash = $1", key_hash)
+    """id, status and `left`: seconds to the deadline by the database's clock (None: none)."""
+    return await conn.fetchrow(
+        "SELECT id, status, extract(epoch FROM deadline - now())::float8 AS left"
+        " FROM rollouts WHERE key_hash = $1",
+        key_hash,
+    )
 
 
 async def get(conn: asyncpg.Connection, rollout_id: UUID) -> asyncpg.Record | None:
@@ -75,5 +80,18 @@ async def policy_version(conn: asyncpg.Connection) -> int:
     return await conn.fetchval("SELECT version FROM policy")
 
 
+# Every gateway LISTENs here and stamps the payload (the new version) from then on.
+POLICY_CHANNEL = "rolltap_policy"
+
+
 async def set_policy_version(conn: asyncpg.Connection, version: int) -> None:
-    await conn.execute("UPDATE policy SET version = $1, updated_at = now()", version)
+    """Stores the version and notifies every listening gateway when it commits."""
+    await conn.execute(
+        "WITH u AS (UPDATE policy SET version = $1, updated_at = now() RETURNING version)"
+        f" SELECT pg_notify('{POLICY_CHANNEL}', version::text) FROM u",
+        version,
+    )
+
+
+async def count_by_status(conn: asyncpg.Connection) -> list[asyncpg.Record]:
+    return await conn.fetch("SELECT status, count(*) AS count FROM rollouts GROUP BY status")

@@ -63,6 +63,7 @@ class GatewayProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        self.kill()  # the caller gets no handle to stop it with
         raise RuntimeError(f"gateway not up in {timeout}s:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 4000) -> str:

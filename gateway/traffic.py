@@ -1,0 +1,101 @@
+"""What every request goes through before the protocol handlers: a request id, metrics, the
+gateway's in-flight limit, and a deadline for reading the body."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+
+from aiohttp import web
+
+from gateway.logs import request_id
+from gateway.protocols.errors import GatewayError
+
+REQUEST_ID = "X-Request-Id"
+# A harness's own id is kept if it is a plain token; anything else is replaced.
+_VALID_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+_RETRY_AFTER_S = "1"
+
+
+def protocol_of(path: str) -> str:
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if path.startswith("/v1/"):
+        return "openai"
+    if path.startswith("/admin"):
+        return "admin"
+    return "other"
+
+
+@web.middleware
+async def observe(request: web.Request, handler):
+    """Outermost: ids every request and counts it once its response is decided."""
+    rid = request.headers.get(REQUEST_ID, "")
+    if not _VALID_ID.fullmatch(rid):
+        rid = uuid.uuid4().hex
+    request["request_id"] = rid
+    token = request_id.set(rid)
+    started = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        if request.get("close_connection"):
+            response.force_close()
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        request_id.reset(token)
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        request.app["services"].metrics.request_done(
+            protocol_of(request.path), route, status, time.perf_counter() - started
+        )
+
+
+async def stamp_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: the request id on every response, streamed or not, and the
+    Retry-After a refusal asked for."""
+    rid = request.get("request_id")
+    if rid:
+        response.headers[REQUEST_ID] = rid
+    retry = request.get("retry_after")
+    if retry:
+        response.headers["Retry-After"] = retry
+
+
+def refuse_if_busy(request: web.Request, in_flight: int, limit: int, closing: bool) -> None:
+    """Past the gateway's in-flight limit (or while it shuts down) a call is refused in its
+    protocol's terms: OpenAI's 429 rate_limit_error, Anthropic's 529 overloaded_error, with
+    Retry-After, so harnesses back off and retry."""
+    if closing:
+        request["retry_after"] = _RETRY_AFTER_S
+        raise GatewayError(
+            503, "this gateway is shutting down; retry (another gateway will take the call)",
+            "overloaded_error",
+        )
+    if in_flight < limit:
+        return
+    request["retry_after"] = _RETRY_AFTER_S
+    message = (f"this gateway is serving its limit of {limit} calls at once (--max-inflight); "
+               f"retry after {_RETRY_AFTER_S} s")
+    if protocol_of(request.path) == "anthropic":
+        raise GatewayError(529, message, "overloaded_error")
+    raise GatewayError(429, message, "rate_limit_error", code="rate_limit_exceeded")
+
+
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The whole body, or 408 (and the connection closed) if it trickles in too slowly."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        request["close_connection"] = True  # the rest of the body may still trickle in
+        raise GatewayError(
+            408, f"request body not received within {timeout_s:g} s (--body-timeout)",
+            "invalid_request_error", code="request_timeout",
+        ) from None

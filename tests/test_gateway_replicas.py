@@ -1,0 +1,189 @@
+"""Two real vLLM replicas behind one gateway: a killed replica's streams fail cleanly, its
+rollouts move to the live one (recorded rerouted), it comes back, and a frozen one is detected.
+
+The second replica is started by this module only (about a minute), and killed and restarted
+once; the session's replica is never disturbed."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.support.gateway import GatewayProcess, free_port
+from tests.support.streams import OpenStream, long_stream_body
+from tests.support.vllm import TINY_MAX_MODEL_LEN, TINY_MODEL_NAME, VLLM_READY_TIMEOUT_S
+from trainer_bridge.serve_model import start_vllm
+
+
+def _start_replica(model_dir, port: int, log_path):
+    vllm = start_vllm(model_dir, port, served_model_name=TINY_MODEL_NAME,
+                      max_model_len=TINY_MAX_MODEL_LEN, kv_cache_gib=1, device="auto",
+                      log_path=log_path)
+    vllm.wait_ready(VLLM_READY_TIMEOUT_S)
+    return vllm
+
+
+@pytest.fixture(scope="module")
+def second_replica(tiny_model_dir, tmp_path_factory):
+    port = free_port()
+    logs = tmp_path_factory.mktemp("replica2")
+    state = {"vllm": _start_replica(tiny_model_dir, port, logs / "vllm.log"), "port": port,
+             "logs": logs}
+    yield state
+    state["vllm"].stop()
+
+
+def _gateway(urls, database_url, tmp_path, *extra) -> GatewayProcess:
+    return GatewayProcess(urls, database_url, "--probe-interval", "0.5", "--eject-after", "2",
+                          *extra, log_path=tmp_path / "gw.log").start(timeout=180)
+
+
+def _short_call(rollout: dict, model: str, stream: bool = False):
+    client = openai.OpenAI(base_url=rollout["openai_base_url"], api_key=rollout["api_key"],
+                           max_retries=0, timeout=120)
+    out = client.chat.completions.create(
+        model=model, max_tokens=4, stream=stream,
+        messages=[{"role": "user", "content": "hi"}])
+    if stream:
+        list(out)
+
+
+def _state(gw: GatewayProcess, url: str) -> str:
+    listing = gw.admin.get("/admin/upstreams").json()["upstreams"]
+    return next(u["state"] for u in listing if u["url"] == url)
+
+
+def _wait_state(gw: GatewayProcess, url: str, state: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _state(gw, url) != state:
+        assert time.monotonic() < deadline, f"{url} never became {state}"
+        time.sleep(0.2)
+
+
+def test_killed_replica_fails_its_streams_moves_its_rollouts_and_comes_back(
+    vllm_server, second_replica, database_url, tmp_path
+):
+    survivor, victim = vllm_server.url, second_replica["vllm"].url
+    gw = _gateway([survivor, victim], database_url, tmp_path)
+    try:
+        rollouts = [gw.new_rollout(task_id=f"kill-{i}") for i in range(16)]
+        for r in rollouts:  # place each rollout with one call
+            _short_call(r, vllm_server.model)
+        home = {r["rollout_id"]: gw.calls(r["rollout_id"])[0]["upstream"] for r in rollouts}
+        on_victim = [r for r in rollouts if home[r["rollout_id"]] == victim]
+        assert on_victim and len(on_victim) < 16, home  # rendezvous spread them over both
+
+        streams = {r["rollout_id"]: OpenStream(r["openai_base_url"], r["api_key"],
+                                               long_stream_body(vllm_server.model))
+                   for r in rollouts}
+        for s in streams.values():
+            assert s.started.wait(180) and s.exception is None, s.exception
+        second_replica["vllm"].send_signal(signal.SIGKILL)
+        second_replica["vllm"].process.wait(30)
+        for s in streams.values():
+            s.join(300)
+
+        for r in rollouts:
+            s = streams[r["rollout_id"]]
+            last = gw.calls(r["rollout_id"])[-1]
+            if home[r["rollout_id"]] == victim:
+                # Open at the kill: the harness gets a protocol error event, the call is failed.
+                assert s.error is not None and not s.done, (s.error, s.done)
+                assert last["status"] == "failed" and last["error"]
+            else:
+                assert s.done and s.error is None
+                assert last["status"] == "ok"
+
+        # The dead replica's rollouts go on at once on the live one, recorded as rerouted.
+        for r in on_victim:
+            _short_call(r, vllm_server.model, stream=True)
+            last = gw.calls(r["rollout_id"])[-1]
+            assert last["status"] == "ok" and last["upstream"] == survivor
+            assert last["rerouted"] and victim in last["rerouted"], last["rerouted"]
+        _wait_state(gw, victim, "ejected", 30)
+
+        # Back on the same address: probes take it back, and new rollouts reach it again.
+        second_replica["vllm"] = _start_replica(
+            vllm_server.model_dir, second_replica["port"], second_replica["logs"] / "vllm2.log")
+        _wait_state(gw, victim, "healthy", 30)
+        fresh = [gw.new_rollout(task_id=f"back-{i}") for i in range(12)]
+        for r in fresh:
+            _short_call(r, vllm_server.model)
+        assert any(gw.calls(r["rollout_id"])[0]["upstream"] == victim for r in fresh)
+        # ...while the moved rollouts stay where their prefix cache now is.
+        for r in on_victim:
+            _short_call(r, vllm_server.model)
+            last = gw.calls(r["rollout_id"])[-1]
+            assert last["upstream"] == survivor and last["rerouted"] is None
+    finally:
+        gw.stop()
+
+
+def test_frozen_replica_ends_the_stream_with_an_error_and_counts_a_failure(
+    vllm_server, second_replica, database_url, tmp_path
+):
+    victim = second_replica["vllm"]
+    # Only the replica to freeze, so the stream surely runs there; a long eject threshold so
+    # the probes of the stopped engine do not end the call first.
+    gw = _gateway([victim.url], database_url, tmp_path, "--stream-idle-timeout", "2",
+                  "--eject-after", "100")
+    try:
+        r = gw.new_rollout(task_id="frozen")
+        s = OpenStream(r["openai_base_url"], r["api_key"], long_stream_body(vllm_server.model))
+        assert s.started.wait(180) and s.exception is None
+        victim.send_signal(signal.SIGSTOP)
+        try:
+            s.join(60)
+            assert s.error is not None and "no next chunk for 2s" in s.error["message"]
+            [call] = gw.calls(r["rollout_id"])
+            assert call["status"] == "failed" and "frozen" in call["error"]
+            listing = gw.admin.get("/admin/upstreams").json()["upstreams"]
+            assert listing[0]["consecutive_failures"] >= 1
+        finally:
+            victim.send_signal(signal.SIGCONT)
+    finally:
+        gw.stop()
+
+
+def test_draining_and_removing_replicas_at_run_time(vllm_server, second_replica,
+                                                   database_url, tmp_path):
+    a, b = vllm_server.url, second_replica["vllm"].url
+    gw = _gateway([a], database_url, tmp_path)
+    try:
+        assert gw.admin.post("/admin/upstreams", json={"url": b}).status_code == 200
+        rollouts = [gw.new_rollout(task_id=f"drain-{i}") for i in range(12)]
+        for r in rollouts:
+            _short_call(r, vllm_server.model)
+        on_b = [r for r in rollouts if gw.calls(r["rollout_id"])[0]["upstream"] == b]
+        assert on_b, "the added replica takes new rollouts"
+
+        r = gw.admin.post("/admin/upstreams", json={"url": b, "draining": True})
+        assert {u["url"]: u["state"] for u in r.json()["upstreams"]}[b] == "draining"
+        for r in on_b:
+            _short_call(r, vllm_server.model)
+            last = gw.calls(r["rollout_id"])[-1]
+            assert last["upstream"] == a and "draining" in last["rerouted"]
+        fresh = gw.new_rollout()
+        _short_call(fresh, vllm_server.model)
+        assert gw.calls(fresh["rollout_id"])[0]["upstream"] == a
+
+        # A replica that never answers is ejected by the probes and gets no calls.
+        dead = f"http://127.0.0.1:{free_port()}"
+        gw.admin.post("/admin/upstreams", json={"url": dead})
+        _wait_state(gw, dead, "ejected", 30)
+
+        assert gw.admin.delete("/admin/upstreams", params={"url": b}).status_code == 200
+        assert b not in [u["url"] for u in gw.admin.get("/admin/upstreams").json()["upstreams"]]
+        bad = gw.admin.post("/admin/upstreams", json={"url": "not a url"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "url"
+        assert gw.admin.delete("/admin/upstreams", params={"url": b}).status_code == 404
+        # The admin key only: a rollout key is refused.
+        refused = httpx.get(gw.url + "/admin/upstreams",
+                            headers={"Authorization": f"Bearer {fresh['api_key']}"})
+        assert refused.status_code == 403
+    finally:
+        gw.stop()
