@@ -179,13 +179,14 @@ def _run(args: argparse.Namespace) -> int:
         unsynced_upstreams,
     )
 
-    database_url = _database_url(config)
-    announcer = PolicyAnnouncer.from_gateways(config.gateway, config.admin_key, database_url)
+    announcer = PolicyAnnouncer.from_gateways(config.gateway, config.admin_key)
     try:
         check_sampling(announcer.policies, _trainer_sampling(config))
     except SamplingMismatch as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    database_url = _database_url(config)
+    announcer.use_database(database_url)
     for gateway, upstream in unsynced_upstreams(gateway_upstreams(config.gateway), config.vllm):
         print(f"warning: gateway {gateway} routes to {upstream}, which is not a --vllm of this "
               "bridge: unless it is one of them under another name, it keeps its weights while "

@@ -77,18 +77,19 @@ class PolicyAnnouncer:
         )
 
     @classmethod
-    def from_gateways(cls, gateways: Iterable[str], admin_key: str,
-                      database_url: str | None = None) -> PolicyAnnouncer:
-        """An announcer whose offset is the highest version the gateways (and the database)
-        hold now."""
+    def from_gateways(cls, gateways: Iterable[str], admin_key: str) -> PolicyAnnouncer:
+        """An announcer whose offset is the highest version the gateways hold now."""
         gateways = [g.rstrip("/") for g in gateways]
         with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {admin_key}"}) as http:
             policies = {g: _ok(http.get(f"{g}/admin/policy")).json() for g in gateways}
-        versions = [p["version"] for p in policies.values()]
-        if database_url:
-            versions.append(_in_database(database_url, rollouts_store.policy_version))
-        return cls(gateways, admin_key, max(versions), policies=policies,
-                   database_url=database_url)
+        offset = max(p["version"] for p in policies.values())
+        return cls(gateways, admin_key, offset, policies=policies)
+
+    def use_database(self, database_url: str) -> None:
+        """Announce through Postgres too (every gateway on it hears the NOTIFY); the offset
+        rises to the version stored there if that is higher."""
+        self.database_url = database_url
+        self.offset = max(self.offset, _in_database(database_url, rollouts_store.policy_version))
 
     def announce(self, trainer_version: int) -> int:
         """Stamp new tokens with the gateway version of `trainer_version`; returns it."""
