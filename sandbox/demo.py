@@ -175,15 +175,11 @@ def run(args: argparse.Namespace) -> int:
     procs = _Processes()
     admin_key = secrets.token_urlsafe(16)
     try:
-        tied_dir, model_dir = workdir / "tiny", workdir / "tiny-untied"
+        model_dir = workdir / "tiny-untied"
         _step(f"1/7 tiny model (offline) in {model_dir}")
         if not (model_dir / "model.safetensors").exists():
-            from trainer_bridge.weights import untie_embeddings
-
-            subprocess.run([*rolltap, "tiny-model", str(tied_dir)], check=True)
-            # vLLM's CPU build does not refresh a tied LM head on an in-place weight reload, so
-            # the demo serves and trains a copy whose head is a weight of its own.
-            untie_embeddings(tied_dir, model_dir)
+            # Untied by default: vLLM's CPU build can reload only an untied LM head in place.
+            subprocess.run([*rolltap, "tiny-model", str(model_dir)], check=True)
         else:
             print("   already built")
 
