@@ -27,6 +27,7 @@ def register(subparsers) -> None:
 async def _serve(cfg) -> None:
     from aiohttp import web
 
+    from gateway import access_log
     from gateway.app import build_app
     from gateway.store.db import open_pool, start_embedded
 
@@ -44,7 +45,11 @@ async def _serve(cfg) -> None:
             "--database-url (or drop it to use the embedded Postgres)."
         ) from exc
     app = build_app(cfg, pool)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(
+        app,
+        access_log=access_log.LOGGER if cfg.access_log else None,
+        access_log_class=access_log.AccessLogger,
+    )
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
     await site.start()
