@@ -10,7 +10,8 @@ import asyncpg
 import msgspec
 from aiohttp import web
 
-from gateway import admin
+from gateway import admin, viewer
+from gateway.access_log import ROLLOUT_KEY
 from gateway.config import GatewayConfig
 from gateway.finalize import merge_rollout
 from gateway.protocols import anthropic, chat, completions, openai_common, responses
@@ -70,6 +71,7 @@ def _model_route(proto):
     async def handler(request: web.Request) -> web.StreamResponse:
         svc: Services = request.app["services"]
         rollout_id = await svc.keys.rollout_for(request.headers)
+        request[ROLLOUT_KEY] = rollout_id
         raw = await request.read()
         return await relay(request, proto, raw, rollout_id)
 
@@ -187,4 +189,5 @@ def build_app(config: GatewayConfig, pool: asyncpg.Pool) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/", root)
     app.router.add_routes(admin.routes)
+    app.router.add_routes(viewer.routes)
     return app

@@ -42,6 +42,8 @@ class GatewayConfig:
     # template and tokenizer wherever they reproduce the engine's ids (else by the engine).
     local_template: Path | None = None
     merge_options: MergeOptions = field(default_factory=MergeOptions)
+    access_log: bool = True  # one log line per HTTP call
+    tokenizer: Path | None = None  # model dir whose tokenizer.json the viewer decodes with
 
     def __post_init__(self) -> None:
         if self.continuation not in ("exact", "render"):
@@ -158,6 +160,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the engine round trip; used only where a self-check against the engine shows the same "
         "ids, and cross-checked on a sample of calls (env ROLLTAP_LOCAL_TEMPLATE)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=_env("TOKENIZER"),
+        metavar="MODEL_DIR",
+        help="the served model's directory; the trace viewer (/ui) shows token text decoded "
+        "with its tokenizer.json (env ROLLTAP_TOKENIZER; default: --local-template)",
+    )
+    parser.add_argument(
+        "--no-access-log",
+        action="store_true",
+        default=_env("ACCESS_LOG", "1") in ("0", "false", "no"),
+        help="do not log one line per HTTP call (method, route, status, latency, rollout, "
+        "request id) (env ROLLTAP_ACCESS_LOG=0)",
+    )
     for what, why in (
         ("auxiliary", "sequences none of whose calls offered tools (titles, summaries)"),
         ("abandoned", "retries the harness did not continue"),
@@ -199,4 +216,6 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
             train_abandoned=args.train_abandoned,
             train_aborted=args.train_aborted,
         ),
+        access_log=not args.no_access_log,
+        tokenizer=args.tokenizer,
     )
