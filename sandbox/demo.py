@@ -59,6 +59,9 @@ def register(subparsers) -> None:
     parser.add_argument("--turns", type=int, default=3, help="tool-using turns (default 3)")
     parser.add_argument("--train-steps", type=int, default=24,
                         help="optimizer steps of the training stage (default 24; 0 skips it)")
+    parser.add_argument("--gateway-port", type=int, default=None, metavar="PORT",
+                        help="port of the demo's gateway (default: a free one); the container "
+                        "image sets 9000 for its health check")
     parser.set_defaults(func=run)
 
 
@@ -183,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print("   already built")
 
-        vllm_port, gw_port = _free_port(), _free_port()
+        vllm_port, gw_port = _free_port(), args.gateway_port or _free_port()
         upstream = f"http://127.0.0.1:{vllm_port}"
         _step(f"2/7 vLLM (CPU build) on {upstream}; log {workdir / 'vllm.log'}")
         vllm = procs.start([*rolltap, "serve-model", str(model_dir), "--port", str(vllm_port),
