@@ -5,13 +5,16 @@ tiny vLLM: login, filters, a rollout page whose token colours match /traces, a r
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import httpx
 import openai
 import pytest
 
-from tests.support.gateway import ADMIN_KEY, GatewayProcess
+from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess
 from tests.support.postgres import fresh_database
 from tests.support.vllm import PICK_COLOR_TOOL, load_tiny_tokenizer
 
@@ -54,7 +57,8 @@ def recorded(viewer_gateway, vllm_server):
                      metrics={"reward_detail": HOSTILE}).status_code == 200
 
     failed = gw.new_rollout(task_id="alpha", group_id="g1")
-    assert gw.finish(failed["rollout_id"], None, status="failed").status_code == 200
+    assert gw.finish(failed["rollout_id"], None, status="failed",
+                     metrics={"stderr_tail": "\x1b]0;pwned\x07\x1b[2J"}).status_code == 200
     return {"two": two["rollout_id"], "hostile": hostile["rollout_id"],
             "failed": failed["rollout_id"]}
 
@@ -211,3 +215,33 @@ def test_list_pages_without_repeats_and_filters_by_reward(viewer_gateway, record
     for bad in ({"status": "odd"}, {"min_reward": "x"}, {"after": "!!"}, {"limit": 0}):
         r = gw.admin.get("/ui/api/rollouts", params=bad)
         assert r.status_code == 400 and r.json()["error"]["message"], bad
+
+
+def _inspect(gw, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "inspect", "--gateway", gw.url, *args],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY})
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_inspect_prints_the_same_information(viewer_gateway, recorded):
+    gw = viewer_gateway
+    listed = _inspect(gw, "list", "--task", "alpha").splitlines()
+    assert sorted(line.split()[0] for line in listed[1:]) == sorted(
+        [recorded["hostile"], recorded["failed"]])
+    shown = _inspect(gw, "show", recorded["two"], "--tokens", "--colour", "never")
+    detail = gw.admin.get(f"/ui/api/rollouts/{recorded['two']}").json()
+    for call in detail["calls"]:
+        assert f"{call['latency_ms']:.0f}ms" in shown
+    for k, seq in enumerate(detail["sequences"]):
+        assert f"{k}: {len(seq['input_ids'])} tokens, {sum(seq['loss_mask'])} trained" in shown
+    assert "tests_passed: 1" in shown and "⟦" in shown
+    # A terminal escape recorded by an agent is printed escaped, never raw.
+    hostile = _inspect(gw, "show", recorded["failed"])
+    assert "\x1b" not in hostile and "\\x1b]0;pwned" in hostile
+    denied = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "inspect", "--gateway", gw.url,
+         "--admin-key", "rt-not-admin", "list"], capture_output=True, text=True, timeout=60)
+    assert denied.returncode != 0 and "403" in denied.stderr

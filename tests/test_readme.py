@@ -1,0 +1,70 @@
+"""The README's "First run on a CPU" block, run exactly as written (in order, by bash, from a
+directory laid out like the repository's top), on this machine's CPU: tiny model, vLLM,
+gateway with its embedded Postgres, sandboxed rollouts, `rolltap inspect`, one bridge step with
+a weight push, and `rolltap export` read back with `datasets`. Only the two ports are swapped
+for free ones, so parallel sessions do not collide."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+
+from sandbox.demo import stop_embedded_postgres
+from tests.support.gateway import REPO, free_port
+
+SECTION = "## First run on a CPU, step by step"
+
+
+def readme_block() -> str:
+    text = (REPO / "README.md").read_text()
+    after = text.split(SECTION, 1)[1]
+    match = re.search(r"```sh\n(.*?)```", after, flags=re.S)
+    assert match, "the README's first-run section lost its ```sh block"
+    return match.group(1)
+
+
+def test_readme_block_is_the_cpu_sequence():
+    commands = [line.split()[1] for line in readme_block().splitlines()
+                if line.startswith("rolltap ")]
+    assert commands == ["tiny-model", "serve-model", "gateway", "rollouts", "inspect", "bridge",
+                        "export"]
+
+
+def test_readme_cpu_commands_work_in_order(tmp_path):
+    vllm_port, gw_port = free_port(), free_port()
+    script = readme_block().replace(":8000", f":{vllm_port}").replace(
+        "--port 8000", f"--port {vllm_port}").replace(":9000", f":{gw_port}").replace(
+        "--port 9000", f"--port {gw_port}")
+    assert "8000" not in script and "9000" not in script
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("ROLLTAP_DATABASE_URL", None)
+    log = tmp_path / "readme.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=1500)
+        finally:
+            # The block leaves vLLM and the gateway running in the background, as a user would.
+            os.killpg(proc.pid, signal.SIGTERM)
+            stop_embedded_postgres(tmp_path / "runs" / "first" / "pgdata")
+    output = log.read_text(errors="replace")
+    assert returncode == 0, output[-6000:]
+    assert "fizzbuzz" in output  # rolltap inspect list
+    summary = json.loads((tmp_path / "runs" / "bridge" / "summary.json").read_text())
+    assert summary["steps"] == 1, summary
+    tokens = datasets.load_dataset("parquet", split="train", data_files={
+        "train": str(tmp_path / "runs" / "export" / "tokens.parquet")})
+    messages = datasets.load_dataset("parquet", split="train", data_files={
+        "train": str(tmp_path / "runs" / "export" / "messages.parquet")})
+    assert {r["task_id"] for r in tokens} == {"fizzbuzz"}
+    assert len({r["rollout_id"] for r in messages}) == 2
+    assert all(r["messages"][-1]["role"] == "assistant" for r in messages)
