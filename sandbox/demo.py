@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         gateway = f"http://127.0.0.1:{gw_port}"
         _step(f"3/7 gateway on {gateway}, embedded Postgres in {workdir / 'data'}")
         gw = procs.start([*rolltap, "gateway", "--upstream", upstream, "--port", str(gw_port),
-                          "--data-dir", str(workdir / "data")],
+                          "--data-dir", str(workdir / "data"), "--tokenizer", str(model_dir)],
                          workdir / "gateway.log", env={"ROLLTAP_ADMIN_KEY": admin_key})
         _wait_http(gateway + "/healthz", gw, workdir / "gateway.log", "gateway", 180)
         admin = httpx.Client(base_url=gateway, timeout=60,
@@ -217,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
               f"{stats['lost_tokens']} lost; forks by cause {stats['causes']}")
         print(f"   inspect: curl -H 'Authorization: Bearer $ROLLTAP_ADMIN_KEY' "
               f"{gateway}/admin/rollouts/{rollout['rollout_id']}/traces")
+        print(f"   or see it at {gateway}/ui#/rollout/{rollout['rollout_id']} (admin key "
+              f"{admin_key}) while the demo runs")
 
         _step("6/7 sandboxes: the scripted python harness on an example task, hidden tests score")
         subprocess.run(
