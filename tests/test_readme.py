@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import datasets
+import pytest
 
 from sandbox.demo import stop_embedded_postgres
 from tests.support.gateway import REPO, free_port
@@ -37,13 +40,26 @@ def test_readme_block_is_the_cpu_sequence():
                         "export"]
 
 
-def test_readme_cpu_commands_work_in_order(tmp_path):
+@pytest.fixture
+def top_dir():
+    """A directory laid out like the repository's top. Under the repository, not pytest's
+    private tmp: as root, pgserver runs Postgres as its own unprivileged user, which must reach
+    the data directory."""
+    (REPO / ".cache").mkdir(exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="readme-run-", dir=REPO / ".cache"))
+    path.chmod(0o755)
+    (path / "examples").symlink_to(REPO / "examples")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_readme_cpu_commands_work_in_order(top_dir):
+    tmp_path = top_dir
     vllm_port, gw_port = free_port(), free_port()
     script = readme_block().replace(":8000", f":{vllm_port}").replace(
         "--port 8000", f"--port {vllm_port}").replace(":9000", f":{gw_port}").replace(
         "--port 9000", f"--port {gw_port}")
     assert "8000" not in script and "9000" not in script
-    (tmp_path / "examples").symlink_to(REPO / "examples")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env.pop("ROLLTAP_DATABASE_URL", None)
     log = tmp_path / "readme.log"
