@@ -163,12 +163,13 @@ def _list(args) -> int:
                                 ("status", args.status), ("harness", args.harness),
                                 ("min_reward", args.min_reward), ("max_reward", args.max_reward),
                                 ("limit", args.limit)) if v is not None}
-    print(LIST_HEADER)
     shown, after = 0, None
     with _client(args) as client:
         while True:
             page = _get(client, "/ui/api/rollouts", {**params, **({"after": after} if after
                                                                   else {})})
+            if not shown:
+                print(LIST_HEADER)
             for row in page["rollouts"]:
                 print(list_line(row))
             shown += len(page["rollouts"])
