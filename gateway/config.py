@@ -132,7 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=int(_env("DEFAULT_MAX_TOKENS", "0")) or None,
         metavar="N",
         help="output cap for requests that set none (Codex sends none); default: the engine's "
-        "context limit (env ROLLTAP_DEFAULT_MAX_TOKENS)",
+        "context limit (env ROLLTAP_DEFAULT_MAX_TOKENS). Codex exits 1 when this cap binds "
+        "(an incomplete response): leave it unset for Codex rollouts",
     )
     parser.add_argument(
         "--rollout-timeout",
