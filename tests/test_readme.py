@@ -6,6 +6,7 @@ for free ones, so parallel sessions do not collide."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -70,10 +71,13 @@ def test_readme_cpu_commands_work_in_order(top_dir):
             returncode = proc.wait(timeout=1500)
         finally:
             # The block leaves vLLM and the gateway running in the background, as a user would.
-            os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
             stop_embedded_postgres(tmp_path / "runs" / "first" / "pgdata")
     output = log.read_text(errors="replace")
-    assert returncode == 0, output[-6000:]
+    servers = "".join(f"\n--- {p.name} ---\n" + p.read_text(errors="replace")[-3000:]
+                      for p in sorted((tmp_path / "runs").glob("*.log")))
+    assert returncode == 0, output[-6000:] + servers
     assert "fizzbuzz" in output  # rolltap inspect list
     summary = json.loads((tmp_path / "runs" / "bridge" / "summary.json").read_text())
     assert summary["steps"] == 1, summary
