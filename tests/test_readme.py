@@ -43,11 +43,11 @@ def test_readme_block_is_the_cpu_sequence():
 
 @pytest.fixture
 def top_dir():
-    """A directory laid out like the repository's top. Under the repository, not pytest's
-    private tmp: as root, pgserver runs Postgres as its own unprivileged user, which must reach
-    the data directory."""
-    (REPO / ".cache").mkdir(exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix="readme-run-", dir=REPO / ".cache"))
+    """A directory laid out like the repository's top. Under the repository's runs/, not
+    pytest's private tmp: as root, pgserver runs Postgres as its own unprivileged user, which
+    must reach the data directory."""
+    (REPO / "runs").mkdir(exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="readme-test-", dir=REPO / "runs"))
     path.chmod(0o755)
     (path / "examples").symlink_to(REPO / "examples")
     yield path
