@@ -237,13 +237,16 @@ def _run(args: argparse.Namespace) -> int:
         # None: TRL builds its own NCCL transfer to the vLLM named below.
         weight_transfer=VersionedTransfer(disk, announcer) if disk else None,
         output_dir=output_dir,
-        max_steps=args.max_steps,
-        token_budget=args.token_budget,
         loss_normalization=args.loss_normalization,
-        learning_rate=args.learning_rate,
-        max_staleness=args.max_staleness,
         processing_class=tokenizer,
+        # `--set` wins, also over the fields that have flags of their own (`--set
+        # token_budget=0` makes TRL count samples per micro-batch instead of tokens, while the
+        # bridge still skips sequences longer than --token-budget).
         **{
+            "max_steps": args.max_steps,
+            "token_budget": args.token_budget,
+            "learning_rate": args.learning_rate,
+            "max_staleness": args.max_staleness,
             "num_generations": args.num_generations,
             "vllm_server_base_url": args.vllm[0],
             "save_strategy": "no",
