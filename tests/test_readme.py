@@ -86,5 +86,5 @@ def test_readme_cpu_commands_work_in_order(top_dir):
     messages = datasets.load_dataset("parquet", split="train", data_files={
         "train": str(tmp_path / "runs" / "export" / "messages.parquet")})
     assert {r["task_id"] for r in tokens} == {"fizzbuzz"}
-    assert len({r["rollout_id"] for r in messages}) == 2
+    assert len({r["rollout_id"] for r in messages}) == 8
     assert all(r["messages"][-1]["role"] == "assistant" for r in messages)
