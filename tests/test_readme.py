@@ -86,5 +86,7 @@ def test_readme_cpu_commands_work_in_order(top_dir):
     messages = datasets.load_dataset("parquet", split="train", data_files={
         "train": str(tmp_path / "runs" / "export" / "messages.parquet")})
     assert {r["task_id"] for r in tokens} == {"fizzbuzz"}
-    assert len({r["rollout_id"] for r in messages}) == 8
+    # Every rollout with a trained sequence has its conversation (the scripted agent's calls
+    # all offer a tool).
+    assert {r["rollout_id"] for r in messages} == {r["rollout_id"] for r in tokens}
     assert all(r["messages"][-1]["role"] == "assistant" for r in messages)
