@@ -119,7 +119,9 @@ def test_login_filter_open_and_token_colours_match_traces(
 
     gw = viewer_gateway
     _login(browser, gw.url, "not-the-key")
-    assert "not the admin key" in browser.find_element(By.ID, "login-error").text
+    # The refused login answers with the form again (a new page: wait for it, not the old one).
+    _wait(browser, "const e = document.getElementById('login-error');"
+                   " return e && e.textContent.includes('not the admin key')")
     _login(browser, gw.url, ADMIN_KEY)
     _wait(browser, "return document.body.dataset.ready")
     assert len(browser.find_elements(By.CSS_SELECTOR, "#rollout-rows tr[data-rollout]")) == 3
