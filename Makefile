@@ -8,16 +8,20 @@ STAMP   := $(VENV)/.installed
 
 install: deps $(STAMP)
 
-# Debian packages the sandboxes need: bubblewrap confines every phase, socat forwards the
-# gateway into a sandbox's network namespace. Installed as root; otherwise named.
+# Debian packages the project needs: bubblewrap confines every sandbox phase, socat forwards
+# the gateway into a sandbox's network namespace, chromium and its driver run the trace
+# viewer's browser test (Playwright's own browser download cannot work offline). Installed as
+# root when missing; otherwise named.
+DEBS  := bubblewrap socat chromium chromium-driver
+TOOLS := bwrap socat chromium chromedriver
 deps:
-	@missing=""; for tool in bwrap socat; do \
+	@missing=""; for tool in $(TOOLS); do \
 	  command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get update -qq && apt-get install -y -qq bubblewrap socat; \
+	    apt-get update -qq && apt-get install -y -qq $(DEBS); \
 	  else \
-	    echo "missing:$$missing. Install the Debian packages: apt-get install -y bubblewrap socat" >&2; \
+	    echo "missing:$$missing. Install the Debian packages: apt-get install -y $(DEBS)" >&2; \
 	    exit 1; \
 	  fi; \
 	fi
@@ -28,7 +32,7 @@ deps:
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip wheel
-	$(BIN)/pip install -q -e '.[cpu,train,ray,dev]'
+	$(BIN)/pip install -q -e '.[cpu,train,ray,export,dev]'
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
@@ -43,6 +47,7 @@ bench: install
 
 lint: install
 	$(BIN)/ruff check gateway trainer_bridge sandbox tests bench
+	$(BIN)/hadolint Dockerfile
 
 # On a GPU node (at least two GPUs): vLLM and the bridge with NCCL weight sync for 2 optimizer
 # steps of the tiny model, PASS or FAIL per stage (sandbox/gpu_check.py). Its own environment

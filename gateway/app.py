@@ -10,7 +10,8 @@ import asyncpg
 import msgspec
 from aiohttp import web
 
-from gateway import admin, admin_upstreams, traffic
+from gateway import admin, admin_upstreams, traffic, viewer
+from gateway.access_log import ROLLOUT_KEY
 from gateway.auth import check_admin
 from gateway.config import GatewayConfig
 from gateway.finalize import merge_rollout
@@ -76,6 +77,7 @@ def _model_route(proto):
         svc.model_requests += 1
         try:
             rollout_id = await svc.keys.rollout_for(request.headers)
+            request[ROLLOUT_KEY] = rollout_id
             raw = await traffic.read_body(request, svc.config.body_timeout_s)
             return await relay(request, proto, raw, rollout_id)
         finally:
@@ -215,4 +217,5 @@ def build_app(config: GatewayConfig, pool: asyncpg.Pool) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_routes(admin.routes)
     app.router.add_routes(admin_upstreams.routes)
+    app.router.add_routes(viewer.routes)
     return app

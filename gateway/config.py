@@ -56,6 +56,8 @@ class GatewayConfig:
     idle_timeout_s: float = 15.0  # a connection's time to send a request head (keep-alive)
     body_timeout_s: float = 30.0  # a request's time to send its whole body
     db_pool_size: int = 10
+    access_log: bool = True  # one log line per HTTP call
+    tokenizer: Path | None = None  # model dir whose tokenizer.json the viewer decodes with
 
     def __post_init__(self) -> None:
         for name in ("eject_after", "max_inflight"):
@@ -166,7 +168,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=int(_env("DEFAULT_MAX_TOKENS", "0")) or None,
         metavar="N",
         help="output cap for requests that set none (Codex sends none); default: the engine's "
-        "context limit (env ROLLTAP_DEFAULT_MAX_TOKENS)",
+        "context limit (env ROLLTAP_DEFAULT_MAX_TOKENS). Codex exits 1 when this cap binds "
+        "(an incomplete response): leave it unset for Codex rollouts",
     )
     parser.add_argument(
         "--rollout-timeout",
@@ -193,6 +196,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "exact continuations in the gateway with its chat template and tokenizer, which saves "
         "the engine round trip; used only where a self-check against the engine shows the same "
         "ids, and cross-checked on a sample of calls (env ROLLTAP_LOCAL_TEMPLATE)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=_env("TOKENIZER"),
+        metavar="MODEL_DIR",
+        help="the served model's directory; the trace viewer (/ui) shows token text decoded "
+        "with its tokenizer.json (env ROLLTAP_TOKENIZER; default: --local-template)",
+    )
+    parser.add_argument(
+        "--no-access-log",
+        action="store_true",
+        default=_env("ACCESS_LOG", "1") in ("0", "false", "no"),
+        help="do not log one line per HTTP call (method, route, status, latency, rollout, "
+        "request id) (env ROLLTAP_ACCESS_LOG=0)",
     )
     for what, why in (
         ("auxiliary", "sequences none of whose calls offered tools (titles, summaries)"),
@@ -292,4 +310,6 @@ def _config(args: argparse.Namespace, upstreams: list[str]) -> GatewayConfig:
         idle_timeout_s=args.idle_timeout,
         body_timeout_s=args.body_timeout,
         db_pool_size=args.db_pool_size,
+        access_log=not args.no_access_log,
+        tokenizer=args.tokenizer,
     )

@@ -37,6 +37,7 @@ def register(subparsers) -> None:
 async def _serve(cfg) -> None:
     from aiohttp import web
 
+    from gateway import access_log
     from gateway.app import build_app
     from gateway.store.db import open_pool, start_embedded
 
@@ -60,7 +61,8 @@ async def _serve(cfg) -> None:
     # at most lingering_time, so the client can still read the answer before the close.
     runner = web.AppRunner(
         app,
-        access_log=None,
+        access_log=access_log.LOGGER if cfg.access_log else None,
+        access_log_class=access_log.AccessLogger,
         keepalive_timeout=cfg.idle_timeout_s,
         lingering_time=2.0,
         shutdown_timeout=5.0,

@@ -59,6 +59,9 @@ def register(subparsers) -> None:
     parser.add_argument("--turns", type=int, default=3, help="tool-using turns (default 3)")
     parser.add_argument("--train-steps", type=int, default=24,
                         help="optimizer steps of the training stage (default 24; 0 skips it)")
+    parser.add_argument("--gateway-port", type=int, default=None, metavar="PORT",
+                        help="port of the demo's gateway (default: a free one); the container "
+                        "image sets 9000 for its health check")
     parser.set_defaults(func=run)
 
 
@@ -175,19 +178,15 @@ def run(args: argparse.Namespace) -> int:
     procs = _Processes()
     admin_key = secrets.token_urlsafe(16)
     try:
-        tied_dir, model_dir = workdir / "tiny", workdir / "tiny-untied"
+        model_dir = workdir / "tiny-untied"
         _step(f"1/7 tiny model (offline) in {model_dir}")
         if not (model_dir / "model.safetensors").exists():
-            from trainer_bridge.weights import untie_embeddings
-
-            subprocess.run([*rolltap, "tiny-model", str(tied_dir)], check=True)
-            # vLLM's CPU build does not refresh a tied LM head on an in-place weight reload, so
-            # the demo serves and trains a copy whose head is a weight of its own.
-            untie_embeddings(tied_dir, model_dir)
+            # Untied by default: vLLM's CPU build can reload only an untied LM head in place.
+            subprocess.run([*rolltap, "tiny-model", str(model_dir)], check=True)
         else:
             print("   already built")
 
-        vllm_port, gw_port = _free_port(), _free_port()
+        vllm_port, gw_port = _free_port(), args.gateway_port or _free_port()
         upstream = f"http://127.0.0.1:{vllm_port}"
         _step(f"2/7 vLLM (CPU build) on {upstream}; log {workdir / 'vllm.log'}")
         vllm = procs.start([*rolltap, "serve-model", str(model_dir), "--port", str(vllm_port),
@@ -197,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         gateway = f"http://127.0.0.1:{gw_port}"
         _step(f"3/7 gateway on {gateway}, embedded Postgres in {workdir / 'data'}")
         gw = procs.start([*rolltap, "gateway", "--upstream", upstream, "--port", str(gw_port),
-                          "--data-dir", str(workdir / "data")],
+                          "--data-dir", str(workdir / "data"), "--tokenizer", str(model_dir)],
                          workdir / "gateway.log", env={"ROLLTAP_ADMIN_KEY": admin_key})
         _wait_http(gateway + "/healthz", gw, workdir / "gateway.log", "gateway", 180)
         admin = httpx.Client(base_url=gateway, timeout=60,
@@ -218,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
               f"{stats['lost_tokens']} lost; forks by cause {stats['causes']}")
         print(f"   inspect: curl -H 'Authorization: Bearer $ROLLTAP_ADMIN_KEY' "
               f"{gateway}/admin/rollouts/{rollout['rollout_id']}/traces")
+        print(f"   or see it at {gateway}/ui#/rollout/{rollout['rollout_id']} (admin key "
+              f"{admin_key}) while the demo runs")
 
         _step("6/7 sandboxes: the scripted python harness on an example task, hidden tests score")
         subprocess.run(

@@ -71,5 +71,6 @@ def test_x_api_key_header_is_accepted(gateway, vllm_server):
 def test_admin_key_is_not_a_rollout_key(gateway, vllm_server):
     r = httpx.post(gateway.url + "/v1/chat/completions",
                    headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-                   json={"model": vllm_server.model, "messages": [{"role": "user", "content": "x"}]})
+                   json={"model": vllm_server.model,
+                         "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 401

@@ -338,3 +338,20 @@ def test_forced_tool_call_is_real_and_token_faithful(vllm_server, tiny_tokenizer
     sampled = SAMPLED_CALL.match(tiny_tokenizer.decode(token_ids, skip_special_tokens=True))
     assert sampled, tiny_tokenizer.decode(token_ids)
     assert json.loads(sampled.group(1)) == {"name": "pick_color", "arguments": arguments}
+
+
+def test_cli_writes_an_untied_model_by_default(tmp_path):
+    from gateway.cli import main
+
+    assert main(["tiny-model", str(tmp_path / "untied"), "--seed", "2"]) == 0
+    assert main(["tiny-model", str(tmp_path / "tied"), "--seed", "2", "--tied"]) == 0
+    untied = load_file(str(tmp_path / "untied" / "model.safetensors"))
+    tied = load_file(str(tmp_path / "tied" / "model.safetensors"))
+    assert json.loads((tmp_path / "untied" / "config.json").read_text())[
+        "tie_word_embeddings"] is False
+    assert json.loads((tmp_path / "tied" / "config.json").read_text())["tie_word_embeddings"]
+    # Same function: the untied head starts as a copy of the embeddings.
+    np.testing.assert_array_equal(untied["lm_head.weight"], untied["model.embed_tokens.weight"])
+    assert "lm_head.weight" not in tied
+    assert {k: v.tobytes() for k, v in tied.items()} == {
+        k: v.tobytes() for k, v in untied.items() if k != "lm_head.weight"}

@@ -37,11 +37,12 @@ and TRL's packed attention loads the flash-attention kernel from the Hugging Fac
 --print-config shows the resolved configuration, device and precision included, and exits.
 
 On vLLM's CPU build the model must not tie its LM head to its embeddings (an in-place reload
-does not refresh a tied head there); serve and train an untied copy, made by
+does not refresh a tied head there). `rolltap tiny-model` writes an untied model; for another
+model, serve and train an untied copy made by
 trainer_bridge.weights.untie_embeddings(MODEL_DIR, DEST).
 
-Example (CPU, an untied copy of the tiny model):
-  rolltap bridge --model models/tiny-untied --vllm http://127.0.0.1:8000 \\
+Example (CPU, the tiny model from `rolltap tiny-model models/tiny`):
+  rolltap bridge --model models/tiny --vllm http://127.0.0.1:8000 \\
       --gateway http://127.0.0.1:9000 --admin-key SECRET --num-generations 8 --max-steps 50 \\
       --threads 1"""
 

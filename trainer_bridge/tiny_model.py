@@ -299,7 +299,7 @@ def build_tokenizer():
     return tokenizer
 
 
-def model_config(eos_id: int, pad_id: int) -> dict:
+def model_config(eos_id: int, pad_id: int, tied: bool = False) -> dict:
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -317,7 +317,7 @@ def model_config(eos_id: int, pad_id: int) -> dict:
         "sliding_window": None,
         "use_sliding_window": False,
         "attention_dropout": 0.0,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": tied,
         "vocab_size": VOCAB_SIZE,
         "bos_token_id": None,
         "eos_token_id": eos_id,
@@ -393,28 +393,36 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_tiny_model(out_dir: Path, seed: int = 0) -> Path:
-    """Write config, generation config, weights and tokenizer files to `out_dir`; return it."""
+def write_tiny_model(out_dir: Path, seed: int = 0, tied: bool = False) -> Path:
+    """Write config, generation config, weights and tokenizer files to `out_dir`; return it.
+
+    Untied by default: the LM head is a weight of its own starting equal to the embeddings
+    (the same function), because vLLM's CPU build does not refresh a tied head on an in-place
+    reload, so only an untied model can be trained there with `--weight-sync disk`."""
     from safetensors.numpy import save_file
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     eos_id, pad_id = tokenizer.token_to_id(IM_END), tokenizer.token_to_id(ENDOFTEXT)
-    _write_json(out_dir / "config.json", model_config(eos_id, pad_id))
+    _write_json(out_dir / "config.json", model_config(eos_id, pad_id, tied))
     _write_json(
         out_dir / "generation_config.json",
         {"eos_token_id": [eos_id, pad_id], "pad_token_id": pad_id, "bos_token_id": None},
     )
-    save_file(init_weights(seed), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    weights = init_weights(seed)
+    if not tied:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].copy()
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(tokenizer))
     return out_dir
 
 
 def _run(args: argparse.Namespace) -> int:
-    out = write_tiny_model(Path(args.out_dir), seed=args.seed)
-    print(f"tiny model (seed {args.seed}) written to {out}")
+    out = write_tiny_model(Path(args.out_dir), seed=args.seed, tied=args.tied)
+    head = "LM head tied to the embeddings" if args.tied else "untied LM head"
+    print(f"tiny model (seed {args.seed}, {head}) written to {out}")
     return 0
 
 
@@ -426,11 +434,19 @@ def register(subparsers) -> None:
             "Write a tiny, randomly initialised Qwen2 causal LM (hidden 128, 2 layers, vocab "
             "2048, float32) with a byte-level BPE tokenizer and a ChatML/Hermes chat template "
             "that renders tools and tool calls. Needs no network; the same seed gives "
-            "byte-identical files. Serve it with `rolltap serve-model OUT_DIR`."
+            "byte-identical files. The LM head is untied by default (a weight of its own "
+            "starting equal to the embeddings), so the bridge can train it on a CPU. Serve it "
+            "with `rolltap serve-model OUT_DIR`."
         ),
     )
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to write the model into")
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the random weights (default: 0)"
+    )
+    parser.add_argument(
+        "--tied",
+        action="store_true",
+        help="tie the LM head to the input embeddings (smaller; vLLM's CPU build cannot "
+        "reload such a head in place, so `rolltap bridge --weight-sync disk` refuses it there)",
     )
     parser.set_defaults(func=_run)

@@ -142,6 +142,22 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE calls ADD COLUMN rerouted text;
         """,
     ),
+    (
+        4,
+        # Keyset pages of the trace viewer, `rolltap inspect` and `rolltap export`: newest
+        # first, alone or under one equality filter, without a sort over 100k rollouts.
+        """
+        CREATE INDEX IF NOT EXISTS rollouts_recent ON rollouts (created_at DESC, id DESC);
+        CREATE INDEX IF NOT EXISTS rollouts_task_recent
+            ON rollouts (task_id, created_at DESC, id DESC);
+        CREATE INDEX IF NOT EXISTS rollouts_group_recent
+            ON rollouts (group_id, created_at DESC, id DESC);
+        CREATE INDEX IF NOT EXISTS rollouts_status_recent
+            ON rollouts (status, created_at DESC, id DESC);
+        CREATE INDEX IF NOT EXISTS rollouts_harness_recent
+            ON rollouts (harness, created_at DESC, id DESC);
+        """,
+    ),
 ]
 
 _LOCK_ID = 0x726F6C6C746170  # "rolltap"

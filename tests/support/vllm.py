@@ -83,18 +83,21 @@ def tool_call_request(
 
 
 def build_cached_tiny_model(seed: int = 0) -> Path:
-    """The tiny model under `.cache/`, rebuilt only when its generator's source changes."""
+    """The tiny model under `.cache/`, rebuilt only when its generator's source changes.
+
+    Tied: the tests of the bridge's refusal of a tied head on the CPU build need one, and the
+    tests that train make their own untied copy."""
     import tokenizers
 
     source = Path(tiny_model.__file__).read_bytes()
-    key = hashlib.sha256(source + f"{seed}|{tokenizers.__version__}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + f"{seed}|tied|{tokenizers.__version__}".encode()).hexdigest()[:16]
     target = CACHE_DIR / f"tiny-model-{key}"
     if (target / "tokenizer_config.json").exists():
         return target
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: a concurrent session never sees a half-written model.
     staging = Path(tempfile.mkdtemp(prefix=f".tiny-model-{key}-", dir=CACHE_DIR))
-    tiny_model.write_tiny_model(staging, seed=seed)
+    tiny_model.write_tiny_model(staging, seed=seed, tied=True)
     try:
         staging.rename(target)
     except OSError:  # another session won the race; its files are byte-identical to ours

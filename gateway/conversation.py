@@ -1,0 +1,51 @@
+"""A recorded call's conversation in OpenAI chat form: the messages and tools the engine was
+given (whatever protocol the harness spoke), followed by the reply it sampled. What `rolltap
+export` writes as message-level rows for supervised fine-tuning.
+
+It runs the gateway's own request translation on the recorded request body, so the
+conversation is the one the engine saw, not a re-interpretation of it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gateway.protocols import anthropic, chat, completions, responses
+from gateway.protocols.normalize import normalize_messages
+
+_PROTOCOLS = {p.NAME: p for p in (chat, completions, responses, anthropic)}
+
+
+def chat_view(
+    protocol: str,
+    request_raw: bytes,
+    reply: dict | None,
+    stored_state: Callable[[str], dict | None] = lambda _id: None,
+) -> tuple[list[dict], list[dict]] | None:
+    """(messages, tools) of one call, its reply appended; None for a call with no chat
+    conversation (legacy completions) or a body the gateway cannot read back.
+
+    `stored_state(response_id)` returns the state a Responses call stored (see
+    `responses.stored_state`); it resolves `previous_response_id` chains."""
+    proto = _PROTOCOLS.get(protocol)
+    if proto is None or proto is completions:
+        return None
+    req = proto.parse_request(request_raw)
+    if proto is responses:
+        body, _ = proto.to_upstream(req, _chain(proto.previous_id(req), stored_state))
+    else:
+        body, _ = proto.to_upstream(req)
+    messages = normalize_messages(body.get("messages") or [])
+    if reply is not None:
+        messages = [*messages, reply]
+    return messages, body.get("tools") or []
+
+
+def _chain(response_id: str | None, stored_state) -> list | None:
+    chain: list[list] = []
+    while response_id:
+        state = stored_state(response_id)
+        if state is None:
+            break
+        chain.append(state["items"])
+        response_id = state.get("previous_response_id")
+    return [item for items in reversed(chain) for item in items] if chain else None
