@@ -10,7 +10,7 @@ import httpx
 from tests.support.gateway import GatewayProcess
 
 LINE = re.compile(
-    r"rolltap\.access: (?P<method>[A-Z]+) (?P<route>\S+) (?P<status>\d{3}) "
+    r"rolltap\.access(?: \[\S*\])?:? (?P<method>[A-Z]+) (?P<route>\S+) (?P<status>\d{3}) "
     r"(?P<ms>[\d.]+)ms rollout=(?P<rollout>\S+) request_id=(?P<rid>\S+)$"
 )
 
