@@ -37,7 +37,11 @@ async def _serve(cfg) -> None:
         )
         dsn = await asyncio.to_thread(start_embedded, cfg.data_dir)
     try:
-        pool = await open_pool(dsn)
+        pool = await open_pool(
+            dsn,
+            acquire_timeout=cfg.db_acquire_timeout_s,
+            command_timeout=cfg.db_command_timeout_s,
+        )
     except Exception as exc:  # noqa: BLE001 - asyncpg raises many unrelated types here
         raise SystemExit(
             f"rolltap gateway: cannot open database {dsn!r}: {exc}. Check "

@@ -13,7 +13,7 @@ from gateway.auth import RolloutKeys
 from gateway.config import GatewayConfig
 from gateway.continuer import Continuer
 from gateway.protocols.errors import GatewayError
-from gateway.recorder import Recorder
+from gateway.recording import Recorder, Recording
 from gateway.render import (
     CheckedRenderer,
     EngineRenderer,
@@ -44,12 +44,19 @@ class Services:
     def __init__(self, config: GatewayConfig, pool: asyncpg.Pool) -> None:
         self.config = config
         self.pool = pool
-        self.recorder = Recorder(pool)
+        self.recorder = Recorder(
+            pool,
+            max_pending=config.max_pending_records,
+            command_timeout_s=config.db_command_timeout_s,
+        )
         self.upstreams = Upstreams(config.upstreams, config.upstream_timeout_s)
         self.keys = RolloutKeys(pool)
         self.recent = RecentCalls()
         self.renderer = _renderer(config, self.upstreams)
         self.continuer = Continuer(config.continuation, pool, self.recent, self.renderer)
+        self.recording = Recording(
+            pool, self.recorder, self.recent, self.continuer, self.compress, config.record_bodies
+        )
         self.policy_version = 0
         self._models: set[str] = set()
         self._models_checked = 0.0

@@ -108,7 +108,9 @@ def to_upstream(body: dict) -> tuple[dict, Context]:
         model=body["model"],
         stream=bool(body.get("stream")),
         echo=Echo(
-            token_ids=bool(body.get("return_token_ids")), logprobs=bool(body.get("logprobs"))
+            token_ids=bool(body.get("return_token_ids")),
+            logprobs=bool(body.get("logprobs")),
+            reasoning=body.get("include_reasoning") is not False,
         ),
         include_usage=bool(opts.get("include_usage")),
     )

@@ -99,7 +99,10 @@ class GatewayProcess:
 
 @pytest.fixture(scope="session")
 def gateway(vllm_server, database_url, tmp_path_factory):
+    # The tiny random model makes tool calls only under a grammar (strict tools, a forced
+    # tool): tests of merging train those tokens; tests of the exclusion start their own.
     gw = GatewayProcess([vllm_server.url], database_url, "--max-body-mb", "1",
+                        "--train-constrained",
                         log_path=tmp_path_factory.mktemp("gateway") / "gateway.log")
     gw.start()
     yield gw
