@@ -46,8 +46,14 @@ class _Tool(msgspec.Struct):
     type: str = "function"
 
 
+class _Called(msgspec.Struct):
+    name: str | None = None
+    arguments: str | dict | None = None
+
+
 class _CallRef(msgspec.Struct):
     id: str | None = None
+    function: _Called | None = None
 
 
 class _Message(msgspec.Struct):

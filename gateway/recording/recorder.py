@@ -137,12 +137,13 @@ class Recorder:
                 except UNAVAILABLE as exc:
                     log.error("commit of %d call records failed: %r", len(batch), exc)
                     self.down = _reason(exc)
+                    # The waiting calls hear first: dropping a connection to a frozen server
+                    # can itself take until the timeout.
+                    for _, fut in batch:
+                        _settle(fut, Unavailable(self.down))
                     if conn is not None:
                         await _drop(self._pool, conn)
                         conn = None  # replaced on the next batch
-                    for _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(Unavailable(self.down))
                 else:
                     self.down = None
                     st = self.stats
