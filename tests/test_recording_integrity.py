@@ -26,9 +26,18 @@ from tests.support.gateway import GatewayProcess, free_port
 from tests.support.postgres import fresh_database
 from tests.support.vllm import PICK_COLOR_TOOL, tool_call_request
 
-# The end of a response, per protocol: nothing of it may arrive before the commit.
-ENDS = {"chat": b"[DONE]", "completions": b"[DONE]", "responses": b"response.completed",
-        "anthropic": b"message_stop"}
+# The same tool without `strict`: offered, not forced, so sampling stays free.
+FREE_TOOL = {**PICK_COLOR_TOOL, "function": {**PICK_COLOR_TOOL["function"], "strict": False}}
+
+# The end of a response, per protocol: nothing of it may arrive before the commit. (A
+# Responses stream cut at max_output_tokens ends in `response.incomplete`.)
+ENDS = {"chat": (b"[DONE]",), "completions": (b"[DONE]",),
+        "responses": (b"response.completed", b"response.incomplete"),
+        "anthropic": (b"message_stop",)}
+
+
+def ended(protocol: str, data: bytes) -> bool:
+    return any(end in data for end in ENDS[protocol])
 
 
 def run(coro):
@@ -131,7 +140,7 @@ def test_no_end_of_response_reaches_the_client_before_its_commit(gw, own_db, vll
                 # All eight wait for their commit: one batch blocked on the lock, the rest queued.
                 while time.monotonic() < deadline:
                     if (await _waiting_inserts(own_db) >= 1
-                            and _healthz(gw)["recorder"]["pending"] >= len(cases) - 1):
+                            and _healthz(gw)["recorder"]["pending"] >= len(cases)):
                         break
                     await asyncio.sleep(0.05)
                 else:
@@ -139,7 +148,7 @@ def test_no_end_of_response_reaches_the_client_before_its_commit(gw, own_db, vll
                 await asyncio.sleep(0.5)  # time for any early end to arrive, were there one
                 for (protocol, stream), got in received.items():
                     assert not got["done"], (protocol, stream)
-                    assert ENDS[protocol] not in got["bytes"], (protocol, stream)
+                    assert not ended(protocol, got["bytes"]), (protocol, stream)
                     if not stream:  # nothing at all of a whole response before its commit
                         assert got["status"] is None and got["bytes"] == b"", (protocol, stream)
                     else:  # the tokens themselves did stream
@@ -154,7 +163,7 @@ def test_no_end_of_response_reaches_the_client_before_its_commit(gw, own_db, vll
     for (protocol, stream), got in received.items():
         assert got["status"] == 200, (protocol, stream, got["bytes"][:300])
         if stream:
-            assert ENDS[protocol] in got["bytes"], (protocol, got["bytes"][-300:])
+            assert ended(protocol, got["bytes"]), (protocol, got["bytes"][-300:])
         else:
             assert got["bytes"].rstrip().endswith(b"}")
     assert len(gw.calls(rollout["rollout_id"])) == len(cases)
@@ -197,7 +206,7 @@ def test_a_refused_row_fails_only_its_call_and_its_rollout_goes_on(gw, own_db, v
                 rest += [asyncio.create_task(post(client, r, request(
                     "chat", vllm_server.model, f"other {i}", False)[1]))
                     for i, r in enumerate((a, a, b, b))]
-                while _healthz(gw)["recorder"]["pending"] < len(rest):
+                while _healthz(gw)["recorder"]["pending"] < len(rest) + 1:
                     await asyncio.sleep(0.05)
                 await tx.rollback()
                 await conn.close()
@@ -239,7 +248,16 @@ def _wait_healthy(gw, timeout: float = 30) -> None:
     raise AssertionError(f"gateway not healthy again: {_healthz(gw)}")
 
 
+def _writer_connected(gw, model: str) -> None:
+    """One committed call, so the recorder holds its connection (it keeps one open)."""
+    scratch = gw.new_rollout(task_id="scratch")
+    r = httpx.post(scratch["openai_base_url"] + "/chat/completions", headers=headers(scratch),
+                   json=request("chat", model, "scratch", False, 2)[1], timeout=120)
+    assert r.status_code == 200, r.text
+
+
 def test_commit_lost_mid_stream_gives_the_sdk_a_protocol_error(gw, own_db, vllm_server):
+    _writer_connected(gw, vllm_server.model)
     rollout = gw.new_rollout(task_id="terminated")
     client = openai.OpenAI(base_url=rollout["openai_base_url"], api_key=rollout["api_key"],
                            max_retries=0, timeout=120)
@@ -258,6 +276,7 @@ def test_commit_lost_mid_stream_gives_the_sdk_a_protocol_error(gw, own_db, vllm_
     ant = anthropic.Anthropic(base_url=rollout["anthropic_base_url"], api_key=rollout["api_key"],
                               max_retries=0, timeout=120)
     # Killed before the call: the recorder finds out only at its commit, after the stream.
+    _writer_connected(gw, vllm_server.model)
     _terminate_backends(own_db)
     with pytest.raises(anthropic.APIStatusError) as caught_ant:
         with ant.messages.stream(model=vllm_server.model, max_tokens=16,
@@ -327,8 +346,7 @@ def test_strict_tool_call_is_recorded_constrained_and_not_trained(gw, vllm_serve
     forced = client.chat.completions.create(**body)
     assert forced.choices[0].message.tool_calls
     free = client.chat.completions.create(
-        model=vllm_server.model, max_tokens=8, tools=[PICK_COLOR_TOOL | {
-            "function": {**PICK_COLOR_TOOL["function"], "strict": False}}],
+        model=vllm_server.model, max_tokens=8, tools=[FREE_TOOL],
         messages=[{"role": "user", "content": "free"}])
     assert free.choices
     calls = gw.calls(rollout["rollout_id"])
@@ -427,7 +445,7 @@ def test_misaligned_reply_fails_only_its_call_and_merging_goes_on(vllm_server, o
                 client = openai.OpenAI(base_url=rollout["openai_base_url"],
                                        api_key=rollout["api_key"], max_retries=0, timeout=120)
                 ok = client.chat.completions.create(
-                    model=vllm_server.model, max_tokens=8,
+                    model=vllm_server.model, max_tokens=8, tools=[FREE_TOOL],
                     messages=[{"role": "user", "content": "fine"}])
                 with pytest.raises(openai.APIStatusError) as caught:
                     client.chat.completions.create(

@@ -57,6 +57,7 @@ class Recorder:
         self._timeout = command_timeout_s
         self._queue: asyncio.Queue[tuple[calls_store.CallRecord, asyncio.Future]] = asyncio.Queue()
         self._writer: asyncio.Task | None = None
+        self._in_flight = 0
         self.stats = RecorderStats()
         # Why the database is unusable, or None; set by a failed commit, cleared by a commit
         # or a probe that succeeds.
@@ -64,7 +65,8 @@ class Recorder:
 
     @property
     def pending(self) -> int:
-        return self._queue.qsize()
+        """Records waiting for their commit: queued, and in the transaction in flight."""
+        return self._queue.qsize() + self._in_flight
 
     def start(self) -> None:
         self._writer = asyncio.create_task(self._write_forever(), name="rolltap-recorder")
@@ -85,8 +87,8 @@ class Recorder:
         """Why a new call should not start now, or None."""
         if self.down is not None:
             return f"database unavailable ({self.down})"
-        if self._queue.qsize() >= self.max_pending:
-            return f"{self._queue.qsize()} call records wait for the database"
+        if self.pending >= self.max_pending:
+            return f"{self.pending} call records wait for the database"
         return None
 
     async def record(self, rec: calls_store.CallRecord) -> None:
@@ -129,6 +131,7 @@ class Recorder:
         try:
             while True:
                 batch = await self._next_batch()
+                self._in_flight = len(batch)
                 started = time.perf_counter()
                 try:
                     if conn is None:
@@ -152,6 +155,7 @@ class Recorder:
                     st.commit_seconds += time.perf_counter() - started
                     st.largest_batch = max(st.largest_batch, len(batch))
                 finally:
+                    self._in_flight = 0
                     for _ in batch:
                         self._queue.task_done()
         finally:
