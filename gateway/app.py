@@ -48,7 +48,7 @@ async def protocol_errors(request: web.Request, handler):
         status, body = _renderer(request.path)(
             GatewayError(
                 503,
-                f"database unavailable ({exc or type(exc).__name__}); retry shortly",
+                f"database unavailable ({str(exc) or type(exc).__name__}); retry shortly",
                 "service_unavailable",
             )
         )
@@ -162,7 +162,7 @@ async def healthz(request: web.Request) -> web.Response:
             await conn.fetchval("SELECT 1", timeout=_HEALTH_DB_TIMEOUT_S)
         database = "ok" if svc.recorder.down is None else f"down: {svc.recorder.down}"
     except (asyncpg.PostgresError, *UNAVAILABLE) as exc:
-        database = f"down: {exc or type(exc).__name__}"
+        database = f"down: {str(exc) or type(exc).__name__}"
     upstreams = await svc.upstreams.health()
     healthy = database == "ok" and any(v == "ok" for v in upstreams.values())
     st = svc.recorder.stats

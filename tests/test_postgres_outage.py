@@ -20,27 +20,35 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.support.gateway import GatewayProcess
+from tests.support.gateway import GatewayProcess, free_port
 
 CLIENTS = 8
 FAIL_FAST_S = 2.0
 
-_START = ("import sys, pgserver; "
-          "print(pgserver.get_server(sys.argv[1], cleanup_mode=None).get_uri(), flush=True)")
+_INIT = "import sys, pgserver; pgserver.get_server(sys.argv[1], cleanup_mode=None)"
 
 
 class Cluster:
-    """A Postgres cluster of the test's own (pgserver's binaries), started and stopped as a
-    whole and frozen by signals, like a database host that goes away or stalls."""
+    """A Postgres cluster of the test's own (pgserver's binaries) on a TCP port, started and
+    stopped as a whole and frozen by signals, like a database host that goes away or stalls."""
 
     def __init__(self, pgdata: Path) -> None:
         self.pgdata = pgdata
-        self.uri = ""
+        self.port = free_port()
+        self.uri = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        # pgserver creates the cluster (as its own system user when run as root, which
+        # Postgres refuses to run as); the test then runs it on a fixed port of its own.
+        subprocess.run([sys.executable, "-c", _INIT, str(pgdata)], check=True,
+                       capture_output=True, timeout=120)
+        self.stop()
 
     def start(self) -> None:
-        out = subprocess.run([sys.executable, "-c", _START, str(self.pgdata)], check=True,
-                             capture_output=True, text=True, timeout=120)
-        self.uri = out.stdout.strip().splitlines()[-1]
+        import pgserver
+
+        pgserver.pg_ctl(
+            ["-w", "-l", str(self.pgdata / "log"),
+             "-o", f"-p {self.port} -h 127.0.0.1 -c unix_socket_directories=''", "start"],
+            pgdata=self.pgdata, user="pgserver" if os.geteuid() == 0 else None, timeout=60)
 
     def postmaster(self) -> int:
         return int((self.pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
@@ -128,6 +136,15 @@ class Load:
             t.join(60)
 
 
+def _timeline(results, outages) -> str:
+    """Every call as `start+duration outcome status`, relative to the first, for a failure."""
+    t0 = results[0][0]
+    marks = [f"{k}: {b - t0:.2f}..{e - t0:.2f}" for k, b, e in outages]
+    calls = [f"{s - t0:.2f}+{e - s:.2f} {o} {st} {c[-120:]!r}" if o != "ok" else
+             f"{s - t0:.2f}+{e - s:.2f} ok" for s, e, o, st, c in results]
+    return "\n".join(marks + calls)
+
+
 def _health_during_outage(gw: GatewayProcess) -> tuple[float, httpx.Response]:
     started = time.monotonic()
     r = httpx.get(gw.url + "/healthz", timeout=10)
@@ -144,13 +161,15 @@ async def _ok_rows(dsn: str) -> int:
 
 def test_calls_fail_fast_during_an_outage_and_recover_without_restart(
         cluster, vllm_server, tmp_path):
-    gw = GatewayProcess([vllm_server.url], cluster.uri, "--db-acquire-timeout", "1",
-                        "--db-command-timeout", "1", log_path=tmp_path / "gw.log").start()
+    # A frozen server costs a call up to one command timeout and one release (acquire)
+    # timeout: half a second each keeps every failure within FAIL_FAST_S.
+    gw = GatewayProcess([vllm_server.url], cluster.uri, "--db-acquire-timeout", "0.5",
+                        "--db-command-timeout", "0.5", log_path=tmp_path / "gw.log").start()
     try:
         outages = []
         health = []
         with Load(gw, vllm_server.model) as load:
-            time.sleep(3)
+            time.sleep(6)  # past the engine's warm-up: a slow first call is not the point
             for kind in ("stopped", "frozen"):
                 began = time.monotonic()
                 if kind == "stopped":
@@ -177,6 +196,8 @@ def test_calls_fail_fast_during_an_outage_and_recover_without_restart(
         assert seconds < FAIL_FAST_S, (kind, seconds)
         assert r.status_code == 503 and r.json()["database"].startswith("down"), (kind, r.text)
 
+    timeline = tmp_path / "timeline.txt"
+    timeline.write_text(_timeline(results, outages))
     # Each outage's window: from its start to the first call that succeeded after the database
     # was back (the gateway's own recovery), and the stretch after it until the next outage.
     windows = []
@@ -190,7 +211,9 @@ def test_calls_fail_fast_during_an_outage_and_recover_without_restart(
         # Fast, and in the protocol's shape: a 503 before the stream, or the stream's own
         # error event after it started.
         assert outcome == "error", content[:300]
-        assert ended - started < FAIL_FAST_S, (ended - started, content[:300])
+        # Measured from when the call could first notice: its start, or the outage's.
+        noticed = max([started] + [b for _, b, _, _ in windows if b <= ended])
+        assert ended - noticed < FAIL_FAST_S, (ended - noticed, f"timeline in {timeline}")
         assert status == 503 or (status == 200 and b'"error"' in content), content[:300]
         assert any(began - FAIL_FAST_S <= started <= first_ok
                    for _, began, first_ok, _ in windows), (started, windows, content[:300])

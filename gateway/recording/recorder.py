@@ -58,6 +58,7 @@ class Recorder:
         self._queue: asyncio.Queue[tuple[calls_store.CallRecord, asyncio.Future]] = asyncio.Queue()
         self._writer: asyncio.Task | None = None
         self._in_flight = 0
+        self._dropping: set[asyncio.Task] = set()
         self.stats = RecorderStats()
         # Why the database is unusable, or None; set by a failed commit, cleared by a commit
         # or a probe that succeeds.
@@ -101,15 +102,16 @@ class Recorder:
 
     async def _next_batch(self) -> list[tuple[calls_store.CallRecord, asyncio.Future]]:
         while self.down is not None:
-            try:
-                first = await asyncio.wait_for(self._queue.get(), _PROBE_INTERVAL_S)
-            except TimeoutError:
-                await self._probe()
-                continue
-            batch = [first]
-            break
-        else:
-            batch = [await self._queue.get()]
+            # Records that arrive while the database is away fail at once (their calls get
+            # 503 now, not after another timeout); a probe decides when it is back.
+            while not self._queue.empty():
+                _, fut = self._queue.get_nowait()
+                _settle(fut, Unavailable(self.down))
+                self._queue.task_done()
+            await self._probe()
+            if self.down is not None:
+                await asyncio.sleep(_PROBE_INTERVAL_S)
+        batch = [await self._queue.get()]
         while len(batch) < self._max_batch and not self._queue.empty():
             batch.append(self._queue.get_nowait())
         return batch
@@ -145,8 +147,18 @@ class Recorder:
                     for _, fut in batch:
                         _settle(fut, Unavailable(self.down))
                     if conn is not None:
-                        await _drop(self._pool, conn)
+                        # In the background: releasing a connection to a frozen server waits
+                        # for its timeout, and the queue must not.
+                        self._dropping.add(asyncio.create_task(_drop(self._pool, conn)))
+                        self._dropping = {t for t in self._dropping if not t.done()}
                         conn = None  # replaced on the next batch
+                except Exception as exc:  # noqa: BLE001 - a bug: the writer must live on
+                    log.exception("commit of %d call records failed", len(batch))
+                    for _, fut in batch:
+                        _settle(fut, exc)
+                    if conn is not None:
+                        await _drop(self._pool, conn)
+                        conn = None
                 else:
                     self.down = None
                     st = self.stats
@@ -211,7 +223,8 @@ def _reason(exc: BaseException) -> str:
 
 
 async def _drop(pool: asyncpg.Pool, conn: asyncpg.Connection) -> None:
+    """Gives a connection that failed back to the pool, which closes it if it is broken."""
     try:
         await pool.release(conn)
     except UNAVAILABLE:
-        conn.terminate()
+        pass  # the pool terminated it already
