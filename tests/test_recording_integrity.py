@@ -478,3 +478,43 @@ def test_misaligned_reply_fails_only_its_call_and_merging_goes_on(vllm_server, o
             assert all(s["merge"]["stats"]["context_only_calls"] == 1 for s in states)
         finally:
             g.stop()
+
+
+# -- a bounded record queue ----------------------------------------------------------------------
+
+
+def test_new_calls_are_turned_away_while_records_wait(vllm_server, own_db, tmp_path):
+    """When Postgres falls behind, new calls get 503 (OpenAI) or 529 (Anthropic) with
+    Retry-After instead of queueing without bound; the waiting call still commits."""
+    g = GatewayProcess([vllm_server.url], own_db, "--max-pending-records", "1",
+                       "--db-command-timeout", "30", log_path=tmp_path / "gw.log").start()
+    try:
+        rollout = g.new_rollout(task_id="backlog")
+
+        async def scenario():
+            conn, tx = await _blocked_lock(own_db)
+            async with httpx.AsyncClient(timeout=120) as client:
+                path, body = request("chat", vllm_server.model, "waits", False)
+                waiting = asyncio.create_task(
+                    client.post(g.url + path, json=body, headers=headers(rollout)))
+                while await _waiting_inserts(own_db) < 1:
+                    await asyncio.sleep(0.05)
+                turned = {}
+                for protocol in ("chat", "anthropic"):
+                    path, body = request(protocol, vllm_server.model, "turned away", False)
+                    turned[protocol] = await client.post(g.url + path, json=body,
+                                                         headers=headers(rollout))
+                await tx.rollback()
+                await conn.close()
+                return await waiting, turned
+
+        waiting, turned = run(scenario())
+        assert waiting.status_code == 200
+        openai_answer, anthropic_answer = turned["chat"], turned["anthropic"]
+        assert openai_answer.status_code == 503 and openai_answer.headers["Retry-After"]
+        assert openai_answer.json()["error"]["type"] == "overloaded_error"
+        assert anthropic_answer.status_code == 529 and anthropic_answer.headers["Retry-After"]
+        assert anthropic_answer.json()["error"]["type"] == "overloaded_error"
+        assert len(g.calls(rollout["rollout_id"])) == 1
+    finally:
+        g.stop()
