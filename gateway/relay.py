@@ -290,6 +290,11 @@ async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamRespons
         )
     except GatewayError as err:  # not recorded: the stream must not end as a success
         failure = err
+    except Exception:  # noqa: BLE001 - a bug, but still never an end that looks like success
+        log.exception("call %s not recorded", call.id)
+        failure = GatewayError(
+            500, "the call could not be recorded; see the gateway log", "api_error"
+        )
     try:
         await out.write(stream.close() if failure is None else stream.fail(failure))
         await out.write_eof()

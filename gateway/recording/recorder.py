@@ -120,7 +120,7 @@ class Recorder:
         try:
             async with self._pool.acquire() as conn:
                 await conn.fetchval("SELECT 1", timeout=self._timeout)
-        except UNAVAILABLE as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure means: not back yet
             self.down = _reason(exc)
         else:
             log.info("database reachable again")
@@ -139,26 +139,21 @@ class Recorder:
                     if conn is None:
                         conn = await self._pool.acquire()
                     await self._write(conn, batch)
-                except UNAVAILABLE as exc:
-                    log.error("commit of %d call records failed: %r", len(batch), exc)
+                except Exception as exc:  # noqa: BLE001 - every waiter must hear; the writer lives
+                    if isinstance(exc, UNAVAILABLE):
+                        log.error("commit of %d call records failed: %r", len(batch), exc)
+                    else:  # asyncpg's own state errors, seen while a server shuts down
+                        log.exception("commit of %d call records failed", len(batch))
                     self.down = _reason(exc)
                     # The waiting calls hear first: dropping a connection to a frozen server
                     # can itself take until the timeout.
                     for _, fut in batch:
                         _settle(fut, Unavailable(self.down))
                     if conn is not None:
-                        # In the background: releasing a connection to a frozen server waits
-                        # for its timeout, and the queue must not.
+                        # In the background, for the same reason.
                         self._dropping.add(asyncio.create_task(_drop(self._pool, conn)))
                         self._dropping = {t for t in self._dropping if not t.done()}
                         conn = None  # replaced on the next batch
-                except Exception as exc:  # noqa: BLE001 - a bug: the writer must live on
-                    log.exception("commit of %d call records failed", len(batch))
-                    for _, fut in batch:
-                        _settle(fut, exc)
-                    if conn is not None:
-                        await _drop(self._pool, conn)
-                        conn = None
                 else:
                     self.down = None
                     st = self.stats
@@ -226,5 +221,5 @@ async def _drop(pool: asyncpg.Pool, conn: asyncpg.Connection) -> None:
     """Gives a connection that failed back to the pool, which closes it if it is broken."""
     try:
         await pool.release(conn)
-    except UNAVAILABLE:
-        pass  # the pool terminated it already
+    except Exception:  # noqa: BLE001 - the pool terminates a connection it cannot reset
+        pass
