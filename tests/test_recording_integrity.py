@@ -14,6 +14,7 @@ import asyncio
 import json
 import threading
 import time
+import uuid
 
 import anthropic
 import asyncpg
@@ -261,21 +262,22 @@ def test_commit_lost_mid_stream_gives_the_sdk_a_protocol_error(gw, own_db, vllm_
     rollout = gw.new_rollout(task_id="terminated")
     client = openai.OpenAI(base_url=rollout["openai_base_url"], api_key=rollout["api_key"],
                            max_retries=0, timeout=120)
-    # ignore_eos: the random model must still be streaming when the connection dies.
+    # The recorder's connection dies before the call; it finds out only at its commit, after
+    # the tokens streamed. (Killing it at the first chunk races a fast engine that has sent
+    # everything, committed included, before the client reads its first chunk.)
+    assert _terminate_backends(own_db) >= 1
     stream = client.chat.completions.create(
-        model=vllm_server.model, stream=True, max_tokens=200, extra_body={"ignore_eos": True},
+        model=vllm_server.model, stream=True, max_tokens=16,
         messages=[{"role": "user", "content": "terminated"}])
     with pytest.raises(openai.APIError) as caught:
-        for i, _chunk in enumerate(stream):
-            if i == 0:  # the recorder's connection dies while the tokens stream
-                assert _terminate_backends(own_db) >= 1
+        for _chunk in stream:
+            pass
     assert "could not be recorded" in str(caught.value)
     assert not isinstance(caught.value, openai.APIConnectionError)  # a clean chunked body
     _wait_healthy(gw)
 
     ant = anthropic.Anthropic(base_url=rollout["anthropic_base_url"], api_key=rollout["api_key"],
                               max_retries=0, timeout=120)
-    # Killed before the call: the recorder finds out only at its commit, after the stream.
     _writer_connected(gw, vllm_server.model)
     _terminate_backends(own_db)
     with pytest.raises(anthropic.APIStatusError) as caught_ant:
@@ -292,22 +294,42 @@ def test_commit_lost_mid_stream_gives_the_sdk_a_protocol_error(gw, own_db, vllm_
     assert [c["status"] for c in gw.calls(rollout["rollout_id"])] == ["ok"]
 
 
-def test_a_call_ending_after_finish_is_refused_not_dropped(gw, vllm_server):
+def test_a_call_ending_after_finish_is_refused_not_dropped(gw, own_db, vllm_server):
+    """A finish lands while a call streams: the test runs the finish's own UPDATE in a
+    transaction it holds open, so the call's insert waits on the rollout's row, then commits
+    it. The call ends after the finish and must be refused, not kept out of the traces unseen;
+    the finish through the admin API then merges the rollout."""
     rollout = gw.new_rollout(task_id="late")
-    client = openai.OpenAI(base_url=rollout["openai_base_url"], api_key=rollout["api_key"],
-                           max_retries=0, timeout=120)
-    client.chat.completions.create(model=vllm_server.model, max_tokens=4,
-                                   messages=[{"role": "user", "content": "early"}])
-    stream = client.chat.completions.create(
-        model=vllm_server.model, stream=True, max_tokens=200, extra_body={"ignore_eos": True},
-        messages=[{"role": "user", "content": "late"}])
-    with pytest.raises(openai.APIError) as caught:
-        for i, _chunk in enumerate(stream):
-            if i == 0:
-                assert gw.finish(rollout["rollout_id"], 0.5).status_code == 200
-    assert "rollout has ended" in str(caught.value)
+    early = request("chat", vllm_server.model, "early", False)[1]
+    assert httpx.post(gw.url + "/v1/chat/completions", json=early, headers=headers(rollout),
+                      timeout=120).status_code == 200
+
+    async def scenario():
+        conn = await asyncpg.connect(own_db)
+        tx = conn.transaction()
+        await tx.start()
+        await conn.execute("UPDATE rollouts SET status = 'finished', reward = 0.5,"
+                           " finished_at = now() WHERE id = $1", uuid.UUID(rollout["rollout_id"]))
+        async with httpx.AsyncClient(timeout=120) as client:
+            path, body = request("chat", vllm_server.model, "late", True)
+            late = asyncio.create_task(client.post(gw.url + path, json=body,
+                                                   headers=headers(rollout)))
+            while not await conn.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND datname = current_database()"):
+                await asyncio.sleep(0.05)
+            await tx.commit()
+            await conn.close()
+            return await late
+
+    late = run(scenario())
+    assert late.status_code == 200  # the stream had started: the error is its last event
+    assert b"[DONE]" not in late.content and b"rollout has ended" in late.content
+    assert b"rollout_ended" in late.content
+    assert gw.finish(rollout["rollout_id"], 0.5).status_code == 200
     summary = gw.admin.get(f"/admin/rollouts/{rollout['rollout_id']}").json()
     # The client was told; the merged traces hold exactly the calls that were recorded.
+    assert summary["merge_status"] == "merged"
     assert summary["merge"]["stats"]["calls"] == len(summary["calls"]) == 1
 
 
