@@ -4,7 +4,9 @@ Every route needs the admin key; a rollout key is refused (invariant 6)."""
 
 from __future__ import annotations
 
+import math
 import uuid
+from typing import Annotated
 
 import msgspec
 from aiohttp import web
@@ -18,15 +20,21 @@ from gateway.services import Services
 from gateway.store import calls as calls_store
 from gateway.store import rollouts as rollouts_store
 from gateway.store import traces as traces_store
+from gateway.store import values
 
 routes = web.RouteTableDef()
+
+
+# Ranges Postgres holds (a deadline within a century; `policy.version` is an integer column).
+_Timeout = Annotated[float, msgspec.Meta(gt=0, le=3.2e9)]
+_Version = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
 class NewRollout(msgspec.Struct, forbid_unknown_fields=True):
     task_id: str | None = None
     group_id: str | None = None
     metadata: dict = {}
-    timeout_s: float | None = None
+    timeout_s: _Timeout | None = None
 
 
 class Finish(msgspec.Struct, forbid_unknown_fields=True):
@@ -36,7 +44,15 @@ class Finish(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Policy(msgspec.Struct, forbid_unknown_fields=True):
-    version: int
+    version: _Version
+
+
+def _storable(**fields) -> None:
+    """400 naming the field whose value Postgres could not store (NUL, depth, range)."""
+    for name, value in fields.items():
+        bad = values.problem(value, name)
+        if bad:
+            raise GatewayError(400, f"invalid request: {bad}", param=name)
 
 
 def _decode(raw: bytes, kind: type):
@@ -71,8 +87,7 @@ def _json(obj, status: int = 200) -> web.Response:
 async def create_rollout(request: web.Request) -> web.Response:
     svc = _services(request)
     spec = _decode(await request.read(), NewRollout)
-    if spec.timeout_s is not None and spec.timeout_s <= 0:
-        raise GatewayError(400, "timeout_s must be positive", param="timeout_s")
+    _storable(task_id=spec.task_id, group_id=spec.group_id, metadata=spec.metadata)
     rollout_id = uuid.uuid4()
     key = new_rollout_key()
     async with svc.pool.acquire() as conn:
@@ -118,6 +133,12 @@ async def _summary(svc: Services, rollout_id: uuid.UUID) -> dict:
         "harness": row["harness"],
         "merge": row["merge_stats"]
         and {"stats": row["merge_stats"], "options": row["merge_options"]},
+        "merge_status": "merged"
+        if row["merged_at"]
+        else "merge_failed"
+        if row["merge_error"]
+        else "pending",
+        "merge_error": row["merge_error"],
         "continuation": continuation_counts(c["continuation"] for c in calls),
         "calls": calls,
     }
@@ -130,13 +151,23 @@ async def finish_rollout(request: web.Request) -> web.Response:
     spec = _decode(await request.read(), Finish)
     if spec.status not in ("finished", "failed", "timeout"):
         raise GatewayError(400, "status must be finished, failed or timeout", param="status")
+    if spec.reward is not None and not math.isfinite(spec.reward):
+        raise GatewayError(400, "reward must be a finite number or null", param="reward")
+    metrics = spec.metrics
+    if metrics is not None:
+        # The metrics carry the harness's own output (stderr tails), which may hold any byte:
+        # NULs are removed, not refused, and the removal is recorded with them.
+        metrics, removed = values.without_nul(metrics)
+        if removed:
+            metrics["rolltap_removed_nul_characters"] = removed
+        _storable(metrics=metrics)
     async with svc.pool.acquire() as conn:
-        ended = await rollouts_store.finish(
-            conn, rollout_id, spec.status, spec.reward, spec.metrics
-        )
+        ended = await rollouts_store.finish(conn, rollout_id, spec.status, spec.reward, metrics)
+        # A retried finish (the first one's merge failed or its gateway died) merges too.
+        row = await rollouts_store.get(conn, rollout_id)
     svc.keys.forget(rollout_id)
     svc.recent.forget(rollout_id)
-    if ended:
+    if row is not None and row["status"] != "running" and (ended or row["merged_at"] is None):
         await merge_rollout(svc.pool, rollout_id, svc.config.merge_options)
     summary = await _summary(svc, rollout_id)
     if not ended and (summary["status"], summary["reward"]) != (spec.status, spec.reward):

@@ -18,14 +18,17 @@ from gateway.finalize import merge_rollout
 from gateway.metrics import CONTENT_TYPE_LATEST
 from gateway.protocols import anthropic, chat, completions, openai_common, responses
 from gateway.protocols.errors import GatewayError
-from gateway.relay import relay, upstream_error
+from gateway.recording import RETRY_AFTER_S
+from gateway.relay import STREAM_STARTED, relay, upstream_error
 from gateway.services import Services
 from gateway.store import rollouts as rollouts_store
 from gateway.store import traces as traces_store
+from gateway.store.db import UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
 _SWEEP_INTERVAL_S = 5.0
+_HEALTH_DB_TIMEOUT_S = 0.8
 
 
 def _renderer(path: str):
@@ -37,10 +40,25 @@ def _renderer(path: str):
 
 @web.middleware
 async def protocol_errors(request: web.Request, handler):
+    retry_after = None
     try:
         return await handler(request)
     except GatewayError as err:
         status, body = _renderer(request.path)(err)
+        retry_after = err.retry_after
+    except UNAVAILABLE as exc:
+        retry_after = RETRY_AFTER_S
+        status, body = _renderer(request.path)(
+            GatewayError(
+                503,
+                f"database unavailable ({str(exc) or type(exc).__name__}); retry shortly",
+                "service_unavailable",
+            )
+        )
+    except RecursionError:
+        status, body = _renderer(request.path)(
+            GatewayError(400, "request body is nested too deeply")
+        )
     except web.HTTPRequestEntityTooLarge:
         limit = request.app["services"].config.max_body_bytes
         status, body = _renderer(request.path)(
@@ -66,7 +84,23 @@ async def protocol_errors(request: web.Request, handler):
         status, body = _renderer(request.path)(
             GatewayError(500, "internal gateway error; see the gateway log", "api_error")
         )
-    return web.Response(status=status, body=body, content_type="application/json")
+    headers = {"Retry-After": str(retry_after)} if retry_after else None
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def started_streams(request: web.Request, handler):
+    """An error after a stream's headers went out cannot become an HTTP error response (it
+    would be written into the chunked body). The relay ends its streams with the protocol's
+    error event itself; whatever still escapes ends the body cleanly here."""
+    try:
+        return await handler(request)
+    except Exception:
+        started = request.get(STREAM_STARTED)
+        if started is None:
+            raise
+        log.exception("error after a stream started on %s", request.path)
+        return started
 
 
 def _model_route(proto):
@@ -132,15 +166,23 @@ async def root(request: web.Request) -> web.Response:
     return web.json_response({"name": "rolltap", "status": "ok"})
 
 
+async def _database_health(svc: Services) -> str:
+    try:
+        # Bounded: a frozen database must make the answer "down", not no answer.
+        async with svc.pool.acquire(timeout=_HEALTH_DB_TIMEOUT_S) as conn:
+            await conn.fetchval("SELECT 1", timeout=_HEALTH_DB_TIMEOUT_S)
+    except (asyncpg.PostgresError, *UNAVAILABLE) as exc:
+        return f"down: {str(exc) or type(exc).__name__}"
+    return "ok" if svc.recorder.down is None else f"down: {svc.recorder.down}"
+
+
 async def healthz(request: web.Request) -> web.Response:
     svc: Services = request.app["services"]
-    try:
-        async with svc.pool.acquire() as conn:
-            await conn.fetchval("SELECT 1")
-        database = "ok"
-    except (asyncpg.PostgresError, OSError) as exc:
-        database = f"down: {exc}"
-    upstreams = await svc.upstreams.health()
+    # Side by side: a slow replica must not delay the database's answer past the 2 s a
+    # probe may wait.
+    database, upstreams = await asyncio.gather(
+        _database_health(svc), svc.upstreams.health(timeout_s=1.5)
+    )
     healthy = database == "ok" and any(v == "ok" for v in upstreams.values())
     st = svc.recorder.stats
     return web.json_response(
@@ -153,6 +195,9 @@ async def healthz(request: web.Request) -> web.Response:
                 "commits": st.commits,
                 "records": st.records,
                 "largest_batch": st.largest_batch,
+                "pending": svc.recorder.pending,
+                "row_retries": st.row_retries,
+                "refused": st.refused,
             },
         },
         status=200 if healthy else 503,
@@ -185,14 +230,17 @@ async def _end_overdue(svc: Services) -> None:
                     svc.recent.forget(rollout_id)
                 pending = await traces_store.unmerged(conn)
             for rollout_id in pending:
+                # A rollout that cannot be merged is marked so by merge_rollout; nothing one
+                # rollout holds may stop the sweep of the others.
                 await merge_rollout(svc.pool, rollout_id, svc.config.merge_options)
-        except (asyncpg.PostgresError, OSError):
+        except Exception:  # noqa: BLE001 - the sweeper must outlive any single failure
             log.exception("deadline sweep failed; retrying")
 
 
 def build_app(config: GatewayConfig, pool: asyncpg.Pool) -> web.Application:
     app = web.Application(
-        middlewares=[traffic.observe, protocol_errors], client_max_size=config.max_body_bytes
+        middlewares=[traffic.observe, protocol_errors, started_streams],
+        client_max_size=config.max_body_bytes,
     )
     app.on_response_prepare.append(traffic.stamp_headers)
     svc = Services(config, pool)

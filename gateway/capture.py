@@ -135,4 +135,13 @@ class Capture:
             return "engine returned no prompt_token_ids"
         if len(self.logprobs) != len(self.completion_ids):
             return f"{len(self.logprobs)} logprobs for {len(self.completion_ids)} sampled tokens"
+        # The engine's own count is the check that nothing was withheld (a reasoning parser
+        # told not to return reasoning drops its token ids, for one).
+        usage = self.usage or {}
+        for kind, ids in (("prompt", self.prompt_ids), ("completion", self.completion_ids)):
+            counted = usage.get(f"{kind}_tokens")
+            if counted is None:
+                return f"engine reported no {kind}_tokens usage to check the capture against"
+            if counted != len(ids):
+                return f"engine counted {counted} {kind} tokens but returned {len(ids)} ids"
         return None

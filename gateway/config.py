@@ -58,6 +58,13 @@ class GatewayConfig:
     db_pool_size: int = 10
     access_log: bool = True  # one log line per HTTP call
     tokenizer: Path | None = None  # model dir whose tokenizer.json the viewer decodes with
+    # A database that is down or frozen fails calls within about these bounds (503), instead of
+    # holding them; the gateway recovers on its own when it answers again.
+    db_acquire_timeout_s: float = 2.0
+    db_command_timeout_s: float = 2.0
+    # Call records waiting for their commit; past it new calls get 503 (529 on the Anthropic
+    # API) with Retry-After rather than queueing without bound.
+    max_pending_records: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("eject_after", "max_inflight"):
@@ -212,7 +219,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not log one line per HTTP call (method, route, status, latency, rollout, "
         "request id) (env ROLLTAP_ACCESS_LOG=0)",
     )
+    parser.add_argument(
+        "--db-acquire-timeout",
+        type=float,
+        default=float(_env("DB_ACQUIRE_TIMEOUT", "2")),
+        metavar="SECONDS",
+        help="longest wait for a database connection (also connecting) before a call fails "
+        "with 503 (env ROLLTAP_DB_ACQUIRE_TIMEOUT; default %(default)s)",
+    )
+    parser.add_argument(
+        "--db-command-timeout",
+        type=float,
+        default=float(_env("DB_COMMAND_TIMEOUT", "2")),
+        metavar="SECONDS",
+        help="longest a database statement (a commit of call records included) may take "
+        "before the calls waiting on it fail with 503 (env ROLLTAP_DB_COMMAND_TIMEOUT; "
+        "default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-pending-records",
+        type=int,
+        default=int(_env("MAX_PENDING_RECORDS", "4096")),
+        metavar="N",
+        help="call records that may wait for their commit; beyond that new calls are turned "
+        "away with 503/529 and Retry-After (env ROLLTAP_MAX_PENDING_RECORDS; default "
+        "%(default)s)",
+    )
     for what, why in (
+        ("constrained", "calls sampled under a grammar, forced tool or banned/forced tokens"),
         ("auxiliary", "sequences none of whose calls offered tools (titles, summaries)"),
         ("abandoned", "retries the harness did not continue"),
         ("aborted", "calls the client abandoned mid-stream or that failed"),
@@ -295,7 +329,11 @@ def _config(args: argparse.Namespace, upstreams: list[str]) -> GatewayConfig:
         default_max_tokens=args.default_max_tokens,
         continuation=args.continuation,
         local_template=args.local_template,
+        db_acquire_timeout_s=args.db_acquire_timeout,
+        db_command_timeout_s=args.db_command_timeout,
+        max_pending_records=args.max_pending_records,
         merge_options=MergeOptions(
+            train_constrained=args.train_constrained,
             train_auxiliary=args.train_auxiliary,
             train_abandoned=args.train_abandoned,
             train_aborted=args.train_aborted,

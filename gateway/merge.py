@@ -73,6 +73,16 @@ class CallTokens(msgspec.Struct, frozen=True, eq=False):
     versions: np.ndarray
     status: str
     offered_tools: bool
+    # Sampled under a grammar or banned/forced tokens: not the free policy's logprobs.
+    constrained: bool = False
+    # Stored tokens that cannot be trained at all (e.g. logprobs that do not line up): the
+    # call is context for its successors and never trained, whatever the options.
+    context_only: bool = False
+    # Retry evidence: the request body's digest, the SDK's retry count, and when the call
+    # started (seconds, any epoch) to order attempts.
+    digest: bytes | None = None
+    retry_count: int = 0
+    started: float = 0.0
 
     def __post_init__(self) -> None:
         for name, dtype in (
@@ -96,6 +106,7 @@ class CallTokens(msgspec.Struct, frozen=True, eq=False):
 
 
 class MergeOptions(msgspec.Struct, frozen=True, kw_only=True):
+    train_constrained: bool = False
     train_auxiliary: bool = False
     train_abandoned: bool = False
     train_aborted: bool = False
@@ -134,6 +145,10 @@ class MergeStats(msgspec.Struct, frozen=True):
     causes: dict[str, int]
     excluded_sequences: int
     auxiliary_sequences: int
+    constrained_calls: int = 0
+    constrained_tokens: int = 0  # sampled under constraints, not trained unless configured
+    retried_calls: int = 0  # earlier attempts of a retried request, marked abandoned
+    context_only_calls: int = 0  # calls whose tokens could not be trained at all
 
 
 class MergeResult(msgspec.Struct, frozen=True, eq=False):
@@ -141,6 +156,7 @@ class MergeResult(msgspec.Struct, frozen=True, eq=False):
     stats: MergeStats
     parents: dict[str, str | None]
     options: MergeOptions
+    abandoned: list[str] = []  # calls marked abandoned (retried, or a dropped retry sibling)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -203,9 +219,15 @@ def merge(calls: Sequence[CallTokens], options: MergeOptions = MergeOptions()) -
     parent = _find_parents(packed)
     lcp = _full_lcps(packed, parent)
     forest = _Forest(packed, parent, lcp, np.array([c.offered_tools for c in live], dtype=bool))
-    blocked = forest.abandoned & (not options.train_abandoned)
+    retried = _retried(live, parent)
+    abandoned = forest.abandoned | retried
+    constrained = np.array([c.constrained for c in live], dtype=bool)
+    blocked = abandoned & (not options.train_abandoned)
     if not options.train_aborted:
         blocked |= np.array([c.status != "ok" for c in live], dtype=bool)
+    if not options.train_constrained:
+        blocked |= constrained
+    blocked |= np.array([c.context_only for c in live], dtype=bool)
     sequences, trained_calls = _sequences(live, packed, forest, blocked, options)
 
     excluded_call = ~trained_calls
@@ -226,12 +248,46 @@ def merge(calls: Sequence[CallTokens], options: MergeOptions = MergeOptions()) -
         causes=causes,
         excluded_sequences=sum(s.excluded for s in sequences),
         auxiliary_sequences=sum(s.auxiliary for s in sequences),
+        constrained_calls=int(constrained.sum()),
+        constrained_tokens=int(packed.C[constrained].sum()),
+        retried_calls=int(retried.sum()),
+        context_only_calls=sum(c.context_only for c in live),
     )
     parents: dict[str, str | None] = {c.id: None for c in ordered}
     for i, c in enumerate(live):
         if parent[i] >= 0:
             parents[c.id] = live[parent[i]].id
-    return MergeResult(sequences=sequences, stats=stats, parents=parents, options=options)
+    return MergeResult(
+        sequences=sequences,
+        stats=stats,
+        parents=parents,
+        options=options,
+        abandoned=[c.id for c, a in zip(live, abandoned) if a],
+    )
+
+
+def _retried(calls: Sequence[CallTokens], parent: np.ndarray) -> np.ndarray:
+    """Earlier attempts of retried requests. A request whose body repeats an earlier call's
+    retries that call; one that carries the SDK's retry count (its body may differ) retries the
+    latest earlier call. Only a call nothing continued counts: a client retries only what it
+    never used."""
+    n = len(calls)
+    retried = np.zeros(n, dtype=bool)
+    usable = np.ones(n, dtype=bool)
+    usable[parent[parent >= 0]] = False
+    order = sorted(range(n), key=lambda i: (calls[i].started, calls[i].seq))
+    latest: dict[bytes, int] = {}
+    for k, j in enumerate(order):
+        c = calls[j]
+        earlier = latest.get(c.digest) if c.digest is not None else None
+        if earlier is None and c.retry_count > 0:
+            earlier = next((i for i in reversed(order[:k]) if usable[i]), None)
+        if earlier is not None and usable[earlier]:
+            retried[earlier] = True
+            usable[earlier] = False
+        if c.digest is not None:
+            latest[c.digest] = j
+    return retried
 
 
 class _Packed:

@@ -4,24 +4,25 @@ replica, stream back while capturing, commit the record, then end the response."
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
 import msgspec
-import numpy as np
 from aiohttp import web
 
 from gateway.capture import Capture
+from gateway.constraints import CAPTURE_OFF, constraints
 from gateway.continuer import Turn
-from gateway.merge import best_base
 from gateway.protocols.errors import GatewayError
 from gateway.protocols.normalize import normalize_messages
 from gateway.services import Services
 from gateway.store import calls as calls_store
-from gateway.store.tokens import IDS, LOGPROBS
+from gateway.store import values
 from gateway.upstream import StreamStalled, sse_batches
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,10 @@ SAMPLING_KEYS = (
     "top_logprobs",
     "logprobs",
 )
+
+# Set on a request once its response headers are sent: an error after that can only be told
+# as the protocol's error event inside the stream, never as a new HTTP response.
+STREAM_STARTED = "rolltap.stream_started"
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -114,6 +119,7 @@ class _Call:
         self.raw = raw
         self.user_agent = user_agent
         self.started = time.perf_counter()
+        self.started_at = datetime.now(UTC)
         self.ttft_ms: float | None = None
         self.capture = Capture()
         self.upstream: str | None = None
@@ -121,6 +127,11 @@ class _Call:
         self.requested: dict = {}
         self.applied: dict = {}
         self.offered_tools = False
+        self.constraints: list[str] = []
+        # A retry of an earlier call (same body, or the SDK's retry header) makes the merge
+        # mark the earlier attempt abandoned.
+        self.digest = hashlib.blake2b(raw, digest_size=16).digest()
+        self.retry_count = 0
         self.turn: Turn | None = None  # the continuation step (chat-completions upstreams)
         # For stateful protocols: response object -> what to store for later continuation.
         self.state = None
@@ -151,75 +162,18 @@ class _Call:
 
     async def record(self, status: str, error: str | None = None) -> None:
         self._recording = True
-        svc = self.svc
-        cap = self.capture
-        prompt = np.asarray(cap.prompt_ids or (), dtype=IDS)
-        completion = np.frombuffer(cap.completion_ids, dtype=np.int32).astype(IDS, copy=False)
-        candidates = svc.recent.get(self.rollout_id)
-        if candidates is None:
-            async with svc.pool.acquire() as conn:
-                candidates = await calls_store.recent_full_ids(
-                    conn, self.rollout_id, svc.recent.per_rollout
-                )
-            svc.recent.load(self.rollout_id, candidates)
-        turn = self.turn
-        if turn is not None:
-            turn.confirm(prompt)
-            candidates = turn.candidates(candidates)
-        base_id, prefix_len = best_base(prompt, candidates) if len(prompt) else (None, 0)
-        if len(prompt):
-            svc.recent.add(self.rollout_id, self.id, np.concatenate((prompt, completion)))
-        response_summary = {
-            "message": cap.message(),
-            "finish_reason": cap.finish_reason,
-            "usage": cap.usage,
-        }
-        response_id = None
-        if self.state is not None and self.state_source is not None and status == "ok":
-            response_summary.update(self.state(self.state_source))
-            response_id = response_summary["response_id"]
-        reply_keys = turn.keys.reply_keys(cap.message()) if turn and status == "ok" else None
-        rec = calls_store.CallRecord(
-            id=self.id,
-            rollout_id=self.rollout_id,
-            protocol=self.protocol,
-            status=status,
-            base_id=base_id,
-            prefix_len=prefix_len,
-            prompt_len=len(prompt),
-            prompt_delta=prompt[prefix_len:].tobytes(),
-            completion_ids=completion.tobytes(),
-            logprobs=np.frombuffer(cap.logprobs, dtype=np.float32)
-            .astype(LOGPROBS, copy=False)
-            .tobytes(),
-            versions=cap.versions().astype(IDS, copy=False).tobytes(),
-            finish_reason=cap.finish_reason,
-            offered_tools=self.offered_tools,
-            model=self.model,
-            requested=self.requested,
-            applied=self.applied,
-            request_body=svc.compress(self.raw) if svc.config.record_bodies else None,
-            # Kept even without --record-bodies when it carries conversation state a later
-            # request may continue from.
-            response_body=svc.compress(_encode(response_summary))
-            if svc.config.record_bodies or response_id
-            else None,
-            upstream=self.upstream,
-            latency_ms=(time.perf_counter() - self.started) * 1000,
-            ttft_ms=self.ttft_ms,
-            error=error,
-            user_agent=self.user_agent,
-            response_id=response_id,
-            continuation=msgspec.to_builtins(turn.record) if turn else None,
-            reply_keys=reply_keys,
-            rerouted=self.rerouted,
-        )
-        await svc.recorder.record(rec)
-        svc.metrics.call_recorded(rec)
+        rec = await self.svc.recording.record(self, status, error)
+        self.svc.metrics.call_recorded(rec)
         log.debug("recorded call %s of rollout %s: %s on %s%s", self.id, self.rollout_id,
                   status, self.upstream, f" (rerouted: {self.rerouted})" if self.rerouted else "")
-        if reply_keys:  # committed: a later call may now name it as its base
-            svc.continuer.remember(self.rollout_id, self.id, reply_keys)
+
+
+def retry_count(headers) -> int:
+    """The OpenAI and Anthropic SDKs (both Stainless-generated) number their retries."""
+    try:
+        return max(0, min(int(headers.get("x-stainless-retry-count", "0")), 1_000_000))
+    except ValueError:
+        return 0
 
 
 async def relay(
@@ -227,16 +181,20 @@ async def relay(
 ) -> web.StreamResponse:
     """Serve one harness call through `proto` (a module of gateway.protocols)."""
     svc: Services = request.app["services"]
+    svc.recording.admit()
     req = proto.parse_request(raw)
     stateful = hasattr(proto, "stored_state")  # protocols with server-side conversations
     if stateful:
         prev_id = proto.previous_id(req)
-        history = await _conversation(svc, rollout_id, prev_id) if prev_id else None
+        # A NUL cannot be in a stored id (nor be sent to Postgres): such an id is not found.
+        known = prev_id and "\x00" not in prev_id
+        history = await _conversation(svc, rollout_id, prev_id) if known else None
         body, ctx = proto.to_upstream(req, history)
     else:
         body, ctx = proto.to_upstream(req)
     await svc.check_model(ctx.model)
     call = _Call(svc, rollout_id, proto.NAME, raw, request.headers.get("User-Agent"))
+    call.retry_count = retry_count(request.headers)
     call.model = ctx.model
     if "messages" in body:
         body["messages"] = normalize_messages(body["messages"])
@@ -244,6 +202,15 @@ async def relay(
         call.state = lambda resp_body: proto.stored_state(req, ctx, resp_body)
     call.offered_tools = bool(body.get("tools"))
     call.requested, call.applied = pin_sampling(body, svc.config.temperature, proto.UPSTREAM_PATH)
+    for key in CAPTURE_OFF:
+        if key in body:
+            call.requested[key] = body.pop(key)
+    bad = values.problem(call.requested)
+    if bad:
+        raise GatewayError(400, f"invalid request: {bad}", param=bad.partition(":")[0])
+    call.constraints = constraints(body)
+    if call.constraints:
+        call.applied["constrained_by"] = call.constraints
     cap = svc.config.default_max_tokens
     if cap and not body.get("max_tokens") and not body.get("max_completion_tokens"):
         # Some harnesses (Codex) set no output cap; a random policy then writes until the
@@ -347,6 +314,7 @@ async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamRespons
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await out.prepare(request)
+    request[STREAM_STARTED] = out
     stream = proto.Stream(ctx)
     cap = call.capture
     failure: GatewayError | None = None
@@ -382,13 +350,13 @@ async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamRespons
     except asyncio.CancelledError:
         if call.aborted is None:  # the client went away
             resp.close()  # closing the upstream response aborts the engine's request
-            await call.record("aborted", "client disconnected")
+            await _record_abandoned(call)
             raise
         asyncio.current_task().uncancel()
         status, failure = call.aborted[0], call.abort_error()
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         resp.close()
-        await call.record("aborted", "client disconnected")
+        await _record_abandoned(call)
         raise
     except StreamStalled as exc:
         failure = GatewayError(504, f"upstream {call.upstream}: {exc}", "upstream_error")
@@ -416,15 +384,31 @@ async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamRespons
             )
     if failure is None:
         svc.upstreams.succeeded(call.upstream)
-    await call.record(
-        "ok" if failure is None else status, None if failure is None else failure.message
-    )
+    try:
+        await call.record(
+            "ok" if failure is None else status, None if failure is None else failure.message
+        )
+    except GatewayError as err:  # not recorded: the stream must not end as a success
+        failure = err
+    except Exception:  # noqa: BLE001 - a bug, but still never an end that looks like success
+        log.exception("call %s not recorded", call.id)
+        failure = GatewayError(
+            500, "the call could not be recorded; see the gateway log", "api_error"
+        )
     try:
         await out.write(stream.close() if failure is None else stream.fail(failure))
         await out.write_eof()
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         pass  # recorded already; the client left after the last token
     return out
+
+
+async def _record_abandoned(call: _Call) -> None:
+    """Records a call whose client went away; nobody is left to tell if that fails."""
+    try:
+        await call.record("aborted", "client disconnected")
+    except GatewayError as err:
+        log.warning("aborted call %s not recorded: %s", call.id, err.message)
 
 
 async def _conversation(svc: Services, rollout_id: uuid.UUID, response_id: str) -> list | None:

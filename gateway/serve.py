@@ -48,7 +48,13 @@ async def _serve(cfg) -> None:
         )
         dsn = await asyncio.to_thread(start_embedded, cfg.data_dir)
     try:
-        pool = await open_pool(dsn, min_size=2, max_size=cfg.db_pool_size)
+        pool = await open_pool(
+            dsn,
+            min_size=2,
+            max_size=cfg.db_pool_size,
+            acquire_timeout=cfg.db_acquire_timeout_s,
+            command_timeout=cfg.db_command_timeout_s,
+        )
     except Exception as exc:  # noqa: BLE001 - asyncpg raises many unrelated types here
         raise SystemExit(
             f"rolltap gateway: cannot open database {dsn!r}: {exc}. Check "

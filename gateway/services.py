@@ -15,7 +15,7 @@ from gateway.continuer import Continuer
 from gateway.metrics import Metrics
 from gateway.policy import PolicyFollower
 from gateway.protocols.errors import GatewayError
-from gateway.recorder import Recorder
+from gateway.recording import Recorder, Recording
 from gateway.render import (
     CheckedRenderer,
     EngineRenderer,
@@ -45,7 +45,11 @@ class Services:
     def __init__(self, config: GatewayConfig, pool: asyncpg.Pool) -> None:
         self.config = config
         self.pool = pool
-        self.recorder = Recorder(pool)
+        self.recorder = Recorder(
+            pool,
+            max_pending=config.max_pending_records,
+            command_timeout_s=config.db_command_timeout_s,
+        )
         self.upstreams = Upstreams(
             config.upstreams,
             config.upstream_timeout_s,
@@ -57,6 +61,9 @@ class Services:
         self.recent = RecentCalls()
         self.renderer = _renderer(config, self.upstreams)
         self.continuer = Continuer(config.continuation, pool, self.recent, self.renderer)
+        self.recording = Recording(
+            pool, self.recorder, self.recent, self.continuer, self.compress, config.record_bodies
+        )
         self.policy_version = 0
         self.policy = PolicyFollower(pool, self._set_policy_version)
         # Model calls in flight here (each with an `abort(reason)`), for back-pressure and for
@@ -67,7 +74,7 @@ class Services:
         self.metrics = Metrics()
         self.metrics.watch(
             lambda: self.upstreams.replicas.values(),
-            lambda: self.recorder.depth,
+            lambda: self.recorder.pending,
             lambda: self.model_requests,
             lambda: self.policy_version,
         )

@@ -220,15 +220,15 @@ class Upstreams:
             await asyncio.sleep(self._probe_interval_s)
             await self.health()
 
-    async def health(self) -> dict[str, str]:
-        """Probes every replica's /health, feeding the result into its health state."""
+    async def health(self, timeout_s: float | None = None) -> dict[str, str]:
+        """Probes every replica's /health, feeding the result into its health state; each
+        probe waits `timeout_s` at most (default: the probe timeout)."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self._probe_timeout_s)
 
         async def one(url: str) -> str:
             try:
                 assert self.session is not None
-                async with self.session.get(
-                    url + "/health", timeout=aiohttp.ClientTimeout(total=self._probe_timeout_s)
-                ) as resp:
+                async with self.session.get(url + "/health", timeout=timeout) as resp:
                     result = "ok" if resp.status == 200 else f"health check: HTTP {resp.status}"
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 result = f"health check: {exc or type(exc).__name__}"

@@ -196,7 +196,9 @@ def run(args: argparse.Namespace) -> int:
         gateway = f"http://127.0.0.1:{gw_port}"
         _step(f"3/7 gateway on {gateway}, embedded Postgres in {workdir / 'data'}")
         gw = procs.start([*rolltap, "gateway", "--upstream", upstream, "--port", str(gw_port),
-                          "--data-dir", str(workdir / "data"), "--tokenizer", str(model_dir)],
+                          "--data-dir", str(workdir / "data"), "--tokenizer", str(model_dir),
+                          # the tiny model calls its tools only under a grammar: train those
+                          "--train-constrained"],
                          workdir / "gateway.log", env={"ROLLTAP_ADMIN_KEY": admin_key})
         _wait_http(gateway + "/healthz", gw, workdir / "gateway.log", "gateway", 180)
         admin = httpx.Client(base_url=gateway, timeout=60,

@@ -384,6 +384,7 @@ def render_gateway(vllm_server, tmp_path_factory):
         dsn,
         "--continuation",
         "render",
+        "--train-constrained",
         log_path=tmp_path_factory.mktemp("gw-render") / "gateway.log",
     )
     gw.start()
@@ -424,6 +425,7 @@ def test_local_template_renders_in_the_gateway(vllm_server, own_database, tmp_pa
         own_database,
         "--local-template",
         str(vllm_server.model_dir),
+        "--train-constrained",
         log_path=tmp_path / "gateway.log",
     ).start()
     try:
@@ -438,7 +440,8 @@ def test_local_template_renders_in_the_gateway(vllm_server, own_database, tmp_pa
 
 
 def test_a_restarted_gateway_continues_from_the_database(vllm_server, own_database, tmp_path):
-    gw = GatewayProcess([vllm_server.url], own_database, log_path=tmp_path / "gateway.log").start()
+    gw = GatewayProcess([vllm_server.url], own_database, "--train-constrained",
+                        log_path=tmp_path / "gateway.log").start()
     rollout = gw.new_rollout(task_id="continuation-restart")
     client = _chat_client(rollout)
     messages = [{"role": "system", "content": "Restart agent."}, {"role": "user", "content": "Go."}]

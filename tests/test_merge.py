@@ -2,6 +2,7 @@
 
 from collections import Counter
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -632,3 +633,70 @@ def test_best_base_examples():
     assert best_base(prompt, [("x", np.array([9, 9]))]) == (None, 0)
     assert best_base(prompt, [("a", np.array([1, 2])), ("b", np.array([1, 2, 3, 9, 9, 9, 9])),
                               ("c", np.array([1, 2, 3, 4]))]) == ("c", 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Constrained, context-only and retried calls (issue 11)
+
+
+@st.composite
+def flagged(draw):
+    """Tangles whose calls are randomly constrained, context-only or retries (by body digest or
+    the SDK's retry header), with start times in any order."""
+    calls = draw(tangles())
+    return [
+        msgspec.structs.replace(
+            c,
+            constrained=draw(st.booleans()),
+            context_only=draw(st.booleans()),
+            digest=draw(st.sampled_from([None, b"a", b"b"])),
+            retry_count=draw(st.sampled_from([0, 0, 1])),
+            started=draw(st.floats(0, 10)),
+        )
+        for c in calls
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(flagged(), st.booleans())
+def test_constrained_context_only_and_retried_calls_never_train(calls, train_constrained):
+    options = MergeOptions(train_constrained=train_constrained)
+    result = merge(calls, options)
+    trained_ids = {cid for s in result.sequences for cid, span in _trained_spans(s, calls) if span}
+    by_id = {c.id: c for c in calls}
+    for cid in trained_ids:
+        call = by_id[cid]
+        assert not call.context_only
+        assert train_constrained or not call.constrained
+        assert cid not in result.abandoned
+    live = [c for c in calls if c.prompt_ids.size or c.completion_ids.size]
+    assert result.stats.constrained_calls == sum(c.constrained for c in live)
+    assert result.stats.context_only_calls == sum(c.context_only for c in live)
+    assert result.stats.retried_calls <= len(result.abandoned)
+
+
+def _trained_spans(seq, calls):
+    by_id = {c.id: c for c in calls}
+    for cid in seq.call_ids:
+        c = by_id[cid]
+        span = seq.loss_mask[c.prompt_ids.size: c.prompt_ids.size + c.completion_ids.size]
+        yield cid, bool(span.any())
+
+
+def test_a_retry_header_abandons_the_latest_unused_attempt():
+    first = make_call("first", 1, [1, 2], [3])
+    retry = msgspec.structs.replace(make_call("retry", 2, [1, 2, 9], [4]), retry_count=1,
+                                    started=1.0)
+    result = merge([first, retry])
+    assert result.abandoned == ["first"] and result.stats.retried_calls == 1
+    # Continued calls are never a retry's earlier attempt.
+    follow = make_call("follow", 2, [1, 2, 3, 5], [6])
+    retry = msgspec.structs.replace(make_call("retry", 3, [7], [8]), retry_count=1, started=2.0)
+    assert merge([first, follow, retry]).abandoned == ["follow"]
+
+
+def test_the_same_body_again_abandons_the_first():
+    a = msgspec.structs.replace(make_call("a", 1, [1, 2], [3]), digest=b"x", started=0.0)
+    b = msgspec.structs.replace(make_call("b", 2, [1, 2], [4]), digest=b"x", started=1.0)
+    result = merge([b, a])
+    assert result.abandoned == ["a"] and result.stats.retried_calls == 1

@@ -822,6 +822,8 @@ def _error_body(err: GatewayError) -> tuple[int, dict[str, Any]]:
     status, message = err.status, err.message
     if err.kind == "context_length_exceeded":
         status, kind, message = 400, "invalid_request_error", _prompt_too_long(message)
+    elif err.kind == "overloaded_error":  # Anthropic's own status for it
+        status, kind = 529, "overloaded_error"
     elif err.kind in _TYPE_BY_KIND:
         kind = _TYPE_BY_KIND[err.kind]
     elif status in _TYPE_BY_STATUS:

@@ -46,8 +46,14 @@ class _Tool(msgspec.Struct):
     type: str = "function"
 
 
+class _Called(msgspec.Struct):
+    name: str | None = None
+    arguments: str | dict | None = None
+
+
 class _CallRef(msgspec.Struct):
     id: str | None = None
+    function: _Called | None = None
 
 
 class _Message(msgspec.Struct):
@@ -108,7 +114,9 @@ def to_upstream(body: dict) -> tuple[dict, Context]:
         model=body["model"],
         stream=bool(body.get("stream")),
         echo=Echo(
-            token_ids=bool(body.get("return_token_ids")), logprobs=bool(body.get("logprobs"))
+            token_ids=bool(body.get("return_token_ids")),
+            logprobs=bool(body.get("logprobs")),
+            reasoning=body.get("include_reasoning") is not False,
         ),
         include_usage=bool(opts.get("include_usage")),
     )

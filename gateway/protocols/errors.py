@@ -18,6 +18,7 @@ class GatewayError(Exception):
         kind: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -25,6 +26,7 @@ class GatewayError(Exception):
         self.kind = kind
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # seconds, sent as Retry-After
 
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:

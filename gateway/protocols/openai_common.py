@@ -38,6 +38,9 @@ class Echo(msgspec.Struct, frozen=True):
 
     token_ids: bool = False
     logprobs: bool = False
+    # `include_reasoning: false`: the engine is asked for reasoning anyway (capture needs its
+    # token ids), and the client does not see it.
+    reasoning: bool = True
 
 
 def strip_capture(obj: dict, echo: Echo) -> dict:
@@ -51,6 +54,11 @@ def strip_capture(obj: dict, echo: Echo) -> dict:
             choice.pop("prompt_token_ids", None)
         if not echo.logprobs:
             choice.pop("logprobs", None)
+        if not echo.reasoning:
+            for part in (choice.get("delta"), choice.get("message")):
+                if isinstance(part, dict):
+                    part.pop("reasoning_content", None)
+                    part.pop("reasoning", None)
     return obj
 
 
@@ -71,7 +79,7 @@ def decode_checked(raw: bytes, shape: type, hint: str = "") -> tuple[dict, objec
 
 def check_single_choice(body: dict) -> None:
     n = body.get("n")
-    if n not in (None, 1):
+    if n is not None and (type(n) is not int or n != 1):  # `true` is not 1
         raise GatewayError(
             400,
             "`n` must be 1: every sample is recorded as its own call; send "

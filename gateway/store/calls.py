@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from uuid import UUID
 
 import asyncpg
@@ -24,6 +25,7 @@ class CallRecord(msgspec.Struct, kw_only=True):
     rollout_id: UUID
     protocol: str
     status: str  # ok | aborted | failed
+    started_at: datetime
     base_id: UUID | None
     prefix_len: int
     prompt_len: int
@@ -47,6 +49,9 @@ class CallRecord(msgspec.Struct, kw_only=True):
     continuation: dict | None = None
     reply_keys: list[bytes] | None = None
     rerouted: str | None = None  # why the call left its rollout's replica
+    constrained: bool = False
+    body_digest: bytes | None = None
+    retry_count: int = 0
 
 
 # The rollout row lock taken by the UPDATE numbers a rollout's calls in commit order, also when
@@ -59,10 +64,10 @@ INSERT INTO calls (
     id, rollout_id, seq, protocol, status, base_id, prefix_len, prompt_len, prompt_delta,
     completion_ids, logprobs, versions, finish_reason, offered_tools, model, requested, applied,
     request_body, response_body, upstream, latency_ms, ttft_ms, error, user_agent, response_id,
-    continuation, reply_keys, rerouted
+    continuation, reply_keys, rerouted, constrained, body_digest, retry_count, started_at
 )
 SELECT $1, $2, bump.call_count, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
-       $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27
+       $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31
 FROM bump
 """
 
@@ -96,6 +101,10 @@ def insert_args(r: CallRecord) -> tuple:
         r.continuation,
         r.reply_keys,
         r.rerouted,
+        r.constrained,
+        r.body_digest,
+        r.retry_count,
+        r.started_at,
     )
 
 
@@ -198,6 +207,9 @@ async def rollout_calls(
             "stored_prompt_tokens": len(r["prompt_delta"]) // 4,
             "base_call_id": str(r["base_id"]) if r["base_id"] else None,
             "offered_tools": r["offered_tools"],
+            "constrained": r["constrained"],
+            "abandoned": r["abandoned"],
+            "retry_count": r["retry_count"],
             "upstream": r["upstream"],
             "latency_ms": r["latency_ms"],
             "ttft_ms": r["ttft_ms"],

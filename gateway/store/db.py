@@ -31,12 +31,57 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
-async def open_pool(dsn: str, min_size: int = 2, max_size: int = 10) -> asyncpg.Pool:
-    """A pool on `dsn` with the schema migrated to the newest version."""
-    pool = await asyncpg.create_pool(
-        dsn, min_size=min_size, max_size=max_size, init=_init_connection
+# Errors that mean the database cannot be reached or did not answer in time (as opposed to
+# refusing a statement): the call fails with 503 and the caller may retry.
+UNAVAILABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.TooManyConnectionsError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+    asyncpg.QueryCanceledError,  # the command timeout, as the server reports it
+)
+
+
+class _Pool(asyncpg.Pool):
+    """A pool whose `acquire()` (and so the matching release) waits at most `acquire_timeout`
+    unless told otherwise: a database that is down or frozen fails a call fast, not never."""
+
+    acquire_timeout: float | None = None
+
+    def acquire(self, *, timeout: float | None = None):
+        return super().acquire(timeout=self.acquire_timeout if timeout is None else timeout)
+
+
+async def open_pool(
+    dsn: str,
+    min_size: int = 2,
+    max_size: int = 10,
+    acquire_timeout: float | None = None,
+    command_timeout: float | None = None,
+) -> asyncpg.Pool:
+    """A pool on `dsn` with the schema migrated to the newest version. `acquire_timeout` also
+    bounds connecting; `command_timeout` is every statement's default limit."""
+    connect_kwargs = {} if acquire_timeout is None else {"timeout": acquire_timeout}
+    pool = _Pool(
+        dsn,
+        min_size=min_size,
+        max_size=max_size,
+        max_queries=50000,
+        max_inactive_connection_lifetime=300.0,
+        init=_init_connection,
+        loop=None,
+        connection_class=asyncpg.Connection,
+        record_class=asyncpg.Record,
+        command_timeout=command_timeout,
+        **connect_kwargs,
     )
-    async with pool.acquire() as conn:
+    await pool
+    pool.acquire_timeout = acquire_timeout
+    async with pool.acquire(timeout=None) as conn:  # migrations may wait for another gateway
         version = await migrate(conn)
     log.info("database ready (schema version %d)", version)
     return pool

@@ -158,6 +158,41 @@ MIGRATIONS: list[tuple[int, str]] = [
             ON rollouts (harness, created_at DESC, id DESC);
         """,
     ),
+    (
+        5,
+        """
+        -- Recording integrity. `constrained`: the engine sampled under a grammar, banned or
+        -- forced tokens, so its logprobs are not the free policy's. `body_digest` and
+        -- `retry_count` (the SDK's retry header) let the merge mark an earlier attempt
+        -- `abandoned`; `started_at` orders attempts (seq is commit order).
+        ALTER TABLE calls
+            ADD COLUMN constrained boolean NOT NULL DEFAULT false,
+            ADD COLUMN body_digest bytea,
+            ADD COLUMN retry_count integer NOT NULL DEFAULT 0,
+            ADD COLUMN started_at  timestamptz,
+            ADD COLUMN abandoned   boolean NOT NULL DEFAULT false;
+        -- A merge that could not run: the rollout keeps its status and reward, the reason is
+        -- shown by the admin API, and the sweeper does not retry it forever.
+        ALTER TABLE rollouts ADD COLUMN merge_error text;
+
+        -- A call of a rollout that has ended is refused, not silently kept out of its traces:
+        -- finishing takes the rollout's row lock, the insert updates the same row first, so
+        -- either the call commits before the finish (and is merged) or it is refused.
+        CREATE FUNCTION rolltap_refuse_late_call() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NOT EXISTS (
+                SELECT 1 FROM rollouts WHERE id = NEW.rollout_id AND status = 'running'
+            ) THEN
+                RAISE EXCEPTION 'rollout % has ended', NEW.rollout_id
+                    USING ERRCODE = 'RT409';
+            END IF;
+            RETURN NEW;
+        END
+        $$;
+        CREATE TRIGGER calls_rollout_running BEFORE INSERT ON calls
+            FOR EACH ROW EXECUTE FUNCTION rolltap_refuse_late_call();
+        """,
+    ),
 ]
 
 _LOCK_ID = 0x726F6C6C746170  # "rolltap"

@@ -42,7 +42,8 @@ async def by_key_hash(conn: asyncpg.Connection, key_hash: bytes) -> asyncpg.Reco
 async def get(conn: asyncpg.Connection, rollout_id: UUID) -> asyncpg.Record | None:
     return await conn.fetchrow(
         "SELECT id, task_id, group_id, metadata, status, reward, metrics, call_count,"
-        " created_at, deadline, finished_at, harness, merge_stats, merge_options, merged_at"
+        " created_at, deadline, finished_at, harness, merge_stats, merge_options, merged_at,"
+        " merge_error"
         " FROM rollouts WHERE id = $1",
         rollout_id,
     )

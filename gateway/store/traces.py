@@ -8,6 +8,7 @@ import asyncpg
 import numpy as np
 
 from gateway.store.tokens import IDS, LOGPROBS, ids_from_bytes, logprobs_from_bytes
+from gateway.store.values import clean_text
 
 # Announced once a finished rollout's traces are stored: what a trainer bridge waits for.
 FINISHED_CHANNEL = "rolltap_rollout_finished"
@@ -16,7 +17,8 @@ FINISHED_CHANNEL = "rolltap_rollout_finished"
 async def merge_inputs(conn: asyncpg.Connection, rollout_id: UUID) -> list[asyncpg.Record]:
     return await conn.fetch(
         "SELECT id, seq, base_id, prefix_len, prompt_delta, completion_ids, logprobs, versions,"
-        " status, offered_tools, user_agent FROM calls WHERE rollout_id = $1 ORDER BY seq",
+        " status, offered_tools, user_agent, protocol, constrained, body_digest, retry_count,"
+        " started_at FROM calls WHERE rollout_id = $1 ORDER BY seq",
         rollout_id,
     )
 
@@ -28,8 +30,10 @@ async def replace(
     stats: dict,
     options: dict,
     harness: str | None,
+    abandoned: list[UUID] = (),
 ) -> None:
-    """Stores a merge result in place of any earlier one (merging is idempotent)."""
+    """Stores a merge result in place of any earlier one (merging is idempotent), and marks
+    the calls the merge found abandoned."""
     await conn.execute("DELETE FROM traces WHERE rollout_id = $1", rollout_id)
     await conn.executemany(
         "INSERT INTO traces (rollout_id, idx, input_ids, loss_mask, logprobs, versions,"
@@ -51,8 +55,13 @@ async def replace(
         ],
     )
     await conn.execute(
+        "UPDATE calls SET abandoned = (id = ANY($2::uuid[])) WHERE rollout_id = $1",
+        rollout_id,
+        list(abandoned),
+    )
+    await conn.execute(
         "UPDATE rollouts SET merge_stats = $2, merge_options = $3, harness = $4,"
-        " merged_at = now() WHERE id = $1",
+        " merged_at = now(), merge_error = NULL WHERE id = $1",
         rollout_id,
         stats,
         options,
@@ -107,10 +116,16 @@ async def unmerged(conn: asyncpg.Connection, limit: int = 16) -> list[UUID]:
     """Ended rollouts whose merge has not happened (a gateway died between finish and merge)."""
     rows = await conn.fetch(
         "SELECT id FROM rollouts WHERE status <> 'running' AND merged_at IS NULL"
-        " ORDER BY finished_at LIMIT $1",
+        " AND merge_error IS NULL ORDER BY finished_at LIMIT $1",
         limit,
     )
     return [r["id"] for r in rows]
+
+
+async def mark_merge_failed(conn: asyncpg.Connection, rollout_id: UUID, reason: str) -> None:
+    await conn.execute(
+        "UPDATE rollouts SET merge_error = $2 WHERE id = $1", rollout_id, clean_text(reason)
+    )
 
 
 async def harness_metrics(conn: asyncpg.Connection) -> list[asyncpg.Record]:
@@ -125,7 +140,14 @@ async def harness_metrics(conn: asyncpg.Connection) -> list[asyncpg.Record]:
                sum((merge_stats->'causes'->>'drift')::int) AS drift,
                sum((merge_stats->'causes'->>'rewrite')::int) AS rewrite,
                sum((merge_stats->'causes'->>'independent')::int) AS independent,
-               sum((merge_stats->'causes'->>'abandoned')::int) AS abandoned
-        FROM rollouts WHERE merged_at IS NOT NULL GROUP BY 1 ORDER BY 1
+               sum((merge_stats->'causes'->>'abandoned')::int) AS abandoned,
+               sum(coalesce((merge_stats->>'constrained_calls')::int, 0)) AS constrained_calls,
+               sum(coalesce((merge_stats->>'constrained_tokens')::bigint, 0))::bigint
+                   AS constrained_tokens,
+               sum(coalesce((merge_stats->>'retried_calls')::int, 0)) AS retried_calls,
+               sum(coalesce((merge_stats->>'context_only_calls')::int, 0)) AS context_only_calls,
+               count(*) FILTER (WHERE merge_error IS NOT NULL) AS merge_failed
+        FROM rollouts WHERE merged_at IS NOT NULL OR merge_error IS NOT NULL
+        GROUP BY 1 ORDER BY 1
         """
     )

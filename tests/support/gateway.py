@@ -104,8 +104,11 @@ class GatewayProcess:
 def gateway(vllm_server, database_url, tmp_path_factory):
     # Also on a Unix socket, for confined sandboxes (a short path: sockets allow 107 bytes).
     socket_dir = Path(tempfile.mkdtemp(prefix="rolltap-gw-"))
+    # The tiny random model makes tool calls only under a grammar (strict tools, a forced
+    # tool): tests of merging train those tokens; tests of the exclusion start their own.
     gw = GatewayProcess([vllm_server.url], database_url, "--max-body-mb", "1",
                         "--unix-socket", str(socket_dir / "gateway.sock"),
+                        "--train-constrained",
                         log_path=tmp_path_factory.mktemp("gateway") / "gateway.log")
     gw.unix_socket = socket_dir / "gateway.sock"
     gw.start()

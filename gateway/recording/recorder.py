@@ -1,0 +1,229 @@
+"""Group commit: calls finishing at about the same time share one transaction.
+
+A request handler awaits `record()`, which returns only once its row is committed, so nothing
+is acknowledged to a client before it is durable (invariant 2). One writer task drains
+everything queued while the previous transaction was in flight, so under load one commit (one
+fsync) covers many calls, and at low load a call waits for exactly one commit.
+
+A batch the database refuses is written again row by row, so one bad row fails only its own
+call. The queue is bounded and the writer knows when the database is unreachable: `admit()`
+then turns new calls away at once, before the engine spends time on them, and the writer probes
+the database until it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import asyncpg
+
+from gateway.store import calls as calls_store
+from gateway.store.db import UNAVAILABLE
+
+log = logging.getLogger(__name__)
+
+_PROBE_INTERVAL_S = 0.5
+
+
+class RecorderStats:
+    __slots__ = ("commits", "records", "commit_seconds", "largest_batch", "row_retries", "refused")
+
+    def __init__(self) -> None:
+        self.commits = 0
+        self.records = 0
+        self.commit_seconds = 0.0
+        self.largest_batch = 0
+        self.row_retries = 0  # batches the database refused, written again row by row
+        self.refused = 0  # rows refused on their own
+
+
+class Unavailable(Exception):
+    """The database could not be reached or did not answer in time; the row is not stored."""
+
+
+class Recorder:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        max_batch: int = 512,
+        max_pending: int = 4096,
+        command_timeout_s: float | None = None,
+    ) -> None:
+        self._pool = pool
+        self._max_batch = max_batch
+        self.max_pending = max_pending
+        self._timeout = command_timeout_s
+        self._queue: asyncio.Queue[tuple[calls_store.CallRecord, asyncio.Future]] = asyncio.Queue()
+        self._writer: asyncio.Task | None = None
+        self._in_flight = 0
+        self._dropping: set[asyncio.Task] = set()
+        self.stats = RecorderStats()
+        # Why the database is unusable, or None; set by a failed commit, cleared by a commit
+        # or a probe that succeeds.
+        self.down: str | None = None
+        self.on_commit = None  # (batch size, seconds) -> None; the metrics hook
+
+    @property
+    def pending(self) -> int:
+        """Records waiting for their commit: queued, and in the transaction in flight."""
+        return self._queue.qsize() + self._in_flight
+
+    def start(self) -> None:
+        self._writer = asyncio.create_task(self._write_forever(), name="rolltap-recorder")
+
+    async def close(self) -> None:
+        """Commits what is queued, then stops."""
+        if self._writer is None:
+            return
+        await self._queue.join()
+        self._writer.cancel()
+        try:
+            await self._writer
+        except asyncio.CancelledError:
+            pass
+        self._writer = None
+
+    def busy(self) -> str | None:
+        """Why a new call should not start now, or None."""
+        if self.down is not None:
+            return f"database unavailable ({self.down})"
+        if self.pending >= self.max_pending:
+            return f"{self.pending} call records wait for the database"
+        return None
+
+    async def record(self, rec: calls_store.CallRecord) -> None:
+        """Returns once `rec` is committed; raises `Unavailable`, or the database's error for
+        this row, if it was not."""
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((rec, fut))
+        # Shielded: a client that goes away must not cancel the commit of its own call.
+        await asyncio.shield(fut)
+
+    async def _next_batch(self) -> list[tuple[calls_store.CallRecord, asyncio.Future]]:
+        while self.down is not None:
+            # Records that arrive while the database is away fail at once (their calls get
+            # 503 now, not after another timeout); a probe decides when it is back.
+            while not self._queue.empty():
+                _, fut = self._queue.get_nowait()
+                _settle(fut, Unavailable(self.down))
+                self._queue.task_done()
+            await self._probe()
+            if self.down is not None:
+                await asyncio.sleep(_PROBE_INTERVAL_S)
+        batch = [await self._queue.get()]
+        while len(batch) < self._max_batch and not self._queue.empty():
+            batch.append(self._queue.get_nowait())
+        return batch
+
+    async def _probe(self) -> None:
+        try:
+            async with self._pool.acquire() as conn:
+                await conn.fetchval("SELECT 1", timeout=self._timeout)
+        except Exception as exc:  # noqa: BLE001 - any failure means: not back yet
+            self.down = _reason(exc)
+        else:
+            log.info("database reachable again")
+            self.down = None
+
+    async def _write_forever(self) -> None:
+        # The writer keeps one connection: acquiring from the pool per commit costs a reset
+        # query round trip on release, which every waiting call would sit through.
+        conn = None
+        try:
+            while True:
+                batch = await self._next_batch()
+                self._in_flight = len(batch)
+                started = time.perf_counter()
+                try:
+                    if conn is None:
+                        conn = await self._pool.acquire()
+                    await self._write(conn, batch)
+                except Exception as exc:  # noqa: BLE001 - every waiter must hear; the writer lives
+                    if isinstance(exc, UNAVAILABLE):
+                        log.error("commit of %d call records failed: %r", len(batch), exc)
+                    else:  # asyncpg's own state errors, seen while a server shuts down
+                        log.exception("commit of %d call records failed", len(batch))
+                    self.down = _reason(exc)
+                    # The waiting calls hear first: dropping a connection to a frozen server
+                    # can itself take until the timeout.
+                    for _, fut in batch:
+                        _settle(fut, Unavailable(self.down))
+                    if conn is not None:
+                        # In the background, for the same reason.
+                        self._dropping.add(asyncio.create_task(_drop(self._pool, conn)))
+                        self._dropping = {t for t in self._dropping if not t.done()}
+                        conn = None  # replaced on the next batch
+                else:
+                    self.down = None
+                    st = self.stats
+                    elapsed = time.perf_counter() - started
+                    st.commits += 1
+                    st.records += len(batch)
+                    st.commit_seconds += elapsed
+                    st.largest_batch = max(st.largest_batch, len(batch))
+                    if self.on_commit is not None:
+                        self.on_commit(len(batch), elapsed)
+                finally:
+                    self._in_flight = 0
+                    for _ in batch:
+                        self._queue.task_done()
+        finally:
+            if conn is not None:
+                await _drop(self._pool, conn)
+
+    async def _write(self, conn: asyncpg.Connection, batch: list) -> None:
+        """One statement for the batch, atomic on its own (asyncpg runs executemany in an
+        implicit transaction: no BEGIN/COMMIT round trips); row by row if it is refused."""
+        try:
+            await conn.executemany(
+                calls_store.INSERT,
+                [calls_store.insert_args(rec) for rec, _ in batch],
+                timeout=self._timeout,
+            )
+        except UNAVAILABLE:
+            raise
+        except asyncpg.PostgresError as exc:
+            if len(batch) == 1:
+                self.stats.refused += 1
+                _settle(batch[0][1], exc)
+                return
+            log.warning("batch of %d call records refused (%r); row by row", len(batch), exc)
+            self.stats.row_retries += 1
+            for rec, fut in batch:
+                try:
+                    await conn.execute(
+                        calls_store.INSERT, *calls_store.insert_args(rec), timeout=self._timeout
+                    )
+                except UNAVAILABLE:
+                    raise
+                except asyncpg.PostgresError as row_exc:
+                    self.stats.refused += 1
+                    _settle(fut, row_exc)
+                else:
+                    _settle(fut, None)
+        else:
+            for _, fut in batch:
+                _settle(fut, None)
+
+
+def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+async def _drop(pool: asyncpg.Pool, conn: asyncpg.Connection) -> None:
+    """Gives a connection that failed back to the pool, which closes it if it is broken."""
+    try:
+        await pool.release(conn)
+    except Exception:  # noqa: BLE001 - the pool terminates a connection it cannot reset
+        pass
