@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -57,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     real.add_argument("--pi-rollouts", type=int, default=2,
                       help="rollouts of the Pi harness CLI at the end (default 2; 0 skips)")
     real.add_argument("--seed", type=int, default=0, help="trainer seed (default 0)")
+    real.add_argument("--train-minutes", type=float, default=None, metavar="M",
+                      help="stop training after M minutes even if steps remain, then evaluate "
+                      "(for machines slower than planned; default: no limit)")
 
 
 # ---- pure helpers ---------------------------------------------------------------------------
@@ -167,16 +171,34 @@ def _versions(admin, rollout_ids: list[str]) -> list[int]:
     return sorted(seen)
 
 
+def _check_alive(ctx: dict) -> None:
+    for name, proc in (("vLLM", ctx["vllm"]), ("the gateway", ctx["gw"])):
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} exited (code {proc.returncode}) during the run; see "
+                             f"{ctx['dir']}; on a machine short of memory the kernel may have "
+                             "killed it (dmesg)")
+
+
 def evaluate(label: str, step: int, heldout, ctx: dict) -> Evaluation:
     started = time.monotonic()
     run_id = f"{ctx['run']}-eval-{label}"
     report = asyncio.run(_rollouts(
         heldout, ctx["harness"], ctx["gateway"], ctx["admin_key"], run_id,
         ctx["dir"] / f"{run_id}.jsonl", group_size=ctx["eval_samples"],
-        concurrency=ctx["concurrency"], quiet=True))
+        concurrency=ctx["concurrency"]))
+    _check_alive(ctx)
     outcomes: dict[str, list[bool]] = {t.id: [] for t in heldout}
+    crashed = 0
     for record in report.finished:
-        outcomes[record.task_id].append(passed(record.reward))
+        # A harness that crashed (an engine gone, a sandbox failure) says nothing about the
+        # model: it is counted apart, not as a failed attempt.
+        if record.sandbox_status == "ok":
+            outcomes[record.task_id].append(passed(record.reward))
+        else:
+            crashed += 1
+    if crashed or report.errors:
+        print(f"   ({crashed} crashed and {len(report.errors)} failed rollouts left out)",
+              flush=True)
     ev = Evaluation(label, step, outcomes,
                     _versions(ctx["admin"], [r.rollout_id for r in report.finished]),
                     time.monotonic() - started)
@@ -217,6 +239,8 @@ def _train(args, ctx: dict, train, heldout, evaluations: list[Evaluation]) -> li
                      quiet=True)
     player.start()
     progress, entries, next_eval = out_dir / "progress.jsonl", [], args.eval_every
+    deadline = time.monotonic() + 60 * args.train_minutes if args.train_minutes else None
+    stopped = False
     print(f"   bridge log {workdir / 'bridge.log'}; {args.group_size} rollouts per group; "
           f"{'step':>4} {'reward':>7} {'version':>7} {'elapsed':>8}", flush=True)
     while True:
@@ -230,6 +254,13 @@ def _train(args, ctx: dict, train, heldout, evaluations: list[Evaluation]) -> li
                   flush=True)
         if bridge.poll() is not None:
             break
+        _check_alive(ctx)
+        if deadline and time.monotonic() > deadline and not stopped:
+            # The bridge stops cleanly on SIGTERM: leases released, engines resumed.
+            print(f"   --train-minutes {args.train_minutes} reached after {len(entries)} "
+                  "step(s): stopping the bridge", flush=True)
+            bridge.send_signal(signal.SIGTERM)
+            stopped = True
         if entries and entries[-1]["step"] >= next_eval and next_eval < args.steps:
             evaluations.append(evaluate(f"step{entries[-1]['step']}", entries[-1]["step"],
                                         heldout, ctx))
@@ -237,7 +268,7 @@ def _train(args, ctx: dict, train, heldout, evaluations: list[Evaluation]) -> li
         time.sleep(2)
     player.halt()
     player.join(300)
-    if bridge.returncode:
+    if bridge.returncode and not (stopped and bridge.returncode == 130):
         raise SystemExit(f"the bridge failed (exit {bridge.returncode}); see "
                          f"{workdir / 'bridge.log'}")
     return entries
@@ -325,7 +356,7 @@ def run_real(args: argparse.Namespace) -> int:
         _step(f"2/6 vLLM (CPU build) on {upstream}; log {workdir / 'vllm.log'}")
         vllm = procs.start([*rolltap, "serve-model", str(model_dir), "--port", str(vllm_port),
                             "--served-model-name", MODEL_NAME, "--max-model-len", "8192",
-                            "--kv-cache-gib", "2"], workdir / "vllm.log")
+                            "--kv-cache-gib", "1"], workdir / "vllm.log")
         _wait_http(upstream + "/health", vllm, workdir / "vllm.log", "vLLM", 900)
 
         gateway = f"http://127.0.0.1:{gw_port}"
@@ -342,6 +373,7 @@ def run_real(args: argparse.Namespace) -> int:
         ctx = {"dir": workdir, "rolltap": rolltap, "procs": procs, "admin_key": admin_key,
                "admin": admin, "gateway": gateway, "upstream": upstream,
                "model_dir": model_dir, "run": secrets.token_hex(3), "t0": t0,
+               "vllm": vllm, "gw": gw,
                "harness": _harness("python", agent=AGENT), "eval_samples": args.eval_samples,
                "concurrency": args.concurrency}
 
