@@ -160,7 +160,8 @@ class _Player(threading.Thread):
 
     def halt(self) -> None:
         self.ready.wait()
-        self.loop.call_soon_threadsafe(self.stop.set)
+        if self.is_alive():  # it may have played every group it had already
+            self.loop.call_soon_threadsafe(self.stop.set)
 
 
 def _versions(admin, rollout_ids: list[str]) -> list[int]:
