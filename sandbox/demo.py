@@ -57,11 +57,19 @@ def register(subparsers) -> None:
                         help="working directory for the model, logs and database "
                         "(default: %(default)s)")
     parser.add_argument("--turns", type=int, default=3, help="tool-using turns (default 3)")
-    parser.add_argument("--train-steps", type=int, default=24,
-                        help="optimizer steps of the training stage (default 24; 0 skips it)")
+    parser.add_argument("--train-steps", type=int, default=None,
+                        help="optimizer steps of the training stage (default 24 with the tiny "
+                        "model, 16 with smol; 0 skips it)")
+    parser.add_argument("--model", choices=("tiny", "smol"), default="tiny",
+                        help="tiny: the random tiny model, toy training task (default); smol: "
+                        "SmolLM2-135M-Instruct learning the coding tasks of examples/smol-tasks "
+                        "through sandboxes and hidden tests (see sandbox/real_demo.py)")
     parser.add_argument("--gateway-port", type=int, default=None, metavar="PORT",
                         help="port of the demo's gateway (default: a free one); the container "
                         "image sets 9000 for its health check")
+    from sandbox.real_demo import add_arguments
+
+    add_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -171,6 +179,13 @@ def _show_calls(admin, upstream: str, rollout_id: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import httpx
+
+    if args.model == "smol":
+        from sandbox.real_demo import run_real
+
+        return run_real(args)
+    if args.train_steps is None:
+        args.train_steps = 24
 
     workdir: Path = args.dir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)

@@ -273,7 +273,13 @@ def _pi(h: Harness, ctx: LaunchContext) -> Launch:
             *h.extra_args, ctx.prompt]
     files = {
         f"{agent_dir}/models.json": _json(models),
-        f"{agent_dir}/settings.json": _json({"enableInstallTelemetry": False}),
+        # Pi compacts once the context passes its window minus `reserveTokens` (default 16384)
+        # and then asks for a summary of 0.8 x reserveTokens: with a window of 16k or less
+        # every run would end in a summary call the engine rejects.
+        f"{agent_dir}/settings.json": _json({
+            "enableInstallTelemetry": False,
+            "compaction": {"reserveTokens": min(16384, h.context_window // 4)},
+        }),
     }
     return Launch(argv, env, files, "openai")
 

@@ -123,6 +123,11 @@ def test_config_details():
     models = json.loads(pi.files[".pi/agent/models.json"])
     assert models["providers"]["gw"]["apiKey"] == KEY_VAR
     assert models["providers"]["gw"]["models"][0]["id"] == "tiny"
+    # Pi compacts past window - reserve; its default reserve (16384) would make every run on
+    # a small window end in a summary call asking for more tokens than the window holds.
+    small = build_launch(Harness(preset="pi", model="smol", context_window=8192), CTX)
+    settings = json.loads(small.files[".pi/agent/settings.json"])
+    assert settings["compaction"]["reserveTokens"] == 2048
 
 
 @pytest.mark.parametrize(
