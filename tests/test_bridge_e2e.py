@@ -322,7 +322,10 @@ def test_a_bridge_killed_at_every_seam_trains_every_rollout_exactly_once(
     run = uuid.uuid4().hex[:12]
     task = ToyTask(training_gateway.url, ADMIN_KEY, TINY_MODEL_NAME, untied_model,
                    metadata={"run": run})
-    groups, size = 6, 4
+    # Enough that the first two bridges cannot train them all, however the machine's load
+    # paces them: one killed at its 6th claim has put 5 groups, one killed at its 6th put
+    # trains at most its first 5 (40 samples together), so later bridges always get some.
+    groups, size = 11, 4
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda g: task.play_group(f"{run}-{g}", size), range(groups)))
     initial, _ = asyncio.run(_run_state(database_url, run))

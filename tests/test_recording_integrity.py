@@ -235,7 +235,11 @@ def test_a_refused_row_fails_only_its_call_and_its_rollout_goes_on(gw, own_db, v
 
 
 def _terminate_backends(dsn: str) -> int:
-    rows = sql(dsn, "SELECT pg_terminate_backend(pid) AS ok FROM pg_stat_activity"
+    """Kills every other connection to the test's database and returns once their backends
+    have exited. (Without the wait, pg_terminate_backend only signals: on a busy machine the
+    gateway's next query, on a pooled connection whose backend has not died yet, then fails
+    with the termination itself instead of finding the connection closed and reconnecting.)"""
+    rows = sql(dsn, "SELECT pg_terminate_backend(pid, 10000) AS ok FROM pg_stat_activity"
                     " WHERE datname = current_database() AND pid <> pg_backend_pid()")
     return len(rows)
 

@@ -24,7 +24,10 @@ HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned
 @pytest.fixture(scope="module")
 def viewer_gateway(vllm_server, tmp_path_factory):
     dsn, drop = fresh_database("rolltap_viewer")
+    # The conversations offer a strict tool, which makes their calls constrained: trained (and
+    # stamped with the policy version) only under --train-constrained.
     gw = GatewayProcess([vllm_server.url], dsn, "--tokenizer", str(vllm_server.model_dir),
+                        "--train-constrained",
                         log_path=tmp_path_factory.mktemp("viewer") / "gateway.log").start()
     yield gw
     gw.stop()
@@ -171,6 +174,9 @@ def test_recorded_script_is_shown_as_text(browser, viewer_gateway, recorded):
     from selenium.webdriver.common.by import By
 
     _login(browser, viewer_gateway.url, ADMIN_KEY)
+    # The login's answer (a redirect to /ui) must be in before the next navigation: a `get` that
+    # overtakes it lands on the login page, and the list replaces it when the answer comes.
+    _wait(browser, "return document.body.dataset.ready")
     browser.get(f"{viewer_gateway.url}/ui#/rollout/{recorded['hostile']}")
     _wait(browser, "return document.querySelector('#conversation .msg')")
     assert browser.execute_script("return window.__pwned") is None
