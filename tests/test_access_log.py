@@ -4,6 +4,7 @@ id), and `--no-access-log` turns it off."""
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 
@@ -19,6 +20,15 @@ def access_lines(gw: GatewayProcess) -> list[dict]:
     return [m.groupdict() for m in map(LINE.search, gw.log_tail(1_000_000).splitlines()) if m]
 
 
+def _lines_once(gw: GatewayProcess, seen, timeout: float = 10.0) -> list[dict]:
+    """The access lines once `seen(lines)` holds: aiohttp writes a call's line only after its
+    response is sent, so the client can read the log before the last call's line is there."""
+    deadline = time.monotonic() + timeout
+    while not seen(lines := access_lines(gw)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return lines
+
+
 def test_one_line_per_call_with_route_status_rollout_and_request_id(gateway, vllm_server):
     rollout = gateway.new_rollout(task_id="access-log")
     rid = rollout["rollout_id"]
@@ -32,7 +42,7 @@ def test_one_line_per_call_with_route_status_rollout_and_request_id(gateway, vll
     assert r.status_code == 200, r.text
     assert gateway.admin.get(f"/admin/rollouts/{rid}?x=1").status_code == 200
     assert httpx.get(gateway.url + "/v1/models").status_code == 401
-    lines = access_lines(gateway)
+    lines = _lines_once(gateway, lambda ls: any(x["route"] == "/v1/models" for x in ls))
     chat = [x for x in lines if x["rid"] == "req-42"]
     assert len(chat) == 1
     assert (chat[0]["method"], chat[0]["route"], chat[0]["status"], chat[0]["rollout"]) == (

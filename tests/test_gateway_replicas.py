@@ -121,6 +121,11 @@ def test_killed_replica_fails_its_streams_moves_its_rollouts_and_comes_back(
             assert last["upstream"] == survivor and last["rerouted"] is None
     finally:
         gw.stop()
+        if second_replica["vllm"].process.poll() is not None:
+            # Failed before it brought the replica back: the module's other tests need it.
+            second_replica["vllm"] = _start_replica(
+                vllm_server.model_dir, second_replica["port"],
+                second_replica["logs"] / "vllm-restarted.log")
 
 
 def test_frozen_replica_ends_the_stream_with_an_error_and_counts_a_failure(
