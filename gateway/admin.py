@@ -121,16 +121,11 @@ async def _summary(svc: Services, rollout_id: uuid.UUID) -> dict:
             conn, rollout_id, with_tokens=False, with_bodies=False
         )
     return {
-        "rollout_id": str(row["id"]),
-        "task_id": row["task_id"],
-        "group_id": row["group_id"],
+        **rollouts_store.identity(row),
         "metadata": row["metadata"],
-        "status": row["status"],
-        "reward": row["reward"],
         "metrics": row["metrics"],
         "created_at": row["created_at"].isoformat(),
         "finished_at": row["finished_at"] and row["finished_at"].isoformat(),
-        "harness": row["harness"],
         "merge": row["merge_stats"]
         and {"stats": row["merge_stats"], "options": row["merge_options"]},
         "merge_status": "merged"

@@ -35,6 +35,7 @@ from sandbox.limits import Limits
 from sandbox.presets import Harness
 from sandbox.tasks import Task, Timeouts, Verifier, load_tasks
 from tests.support.gateway import ADMIN_KEY
+from tests.support.tasks import FIZZBUZZ_HIDDEN_TESTS
 
 REPO = Path(__file__).resolve().parents[1]
 AGENTS = REPO / "tests" / "agents"
@@ -87,22 +88,6 @@ def test_inner_command_line():
 
 # ---- a task set on disk ---------------------------------------------------------------------
 
-FIZZBUZZ_TESTS = '''
-from fizzbuzz import fizzbuzz
-
-def test_one():
-    assert fizzbuzz(1) == ["1"]
-
-def test_fizz():
-    assert fizzbuzz(3)[-1] == "Fizz"
-
-def test_buzz():
-    assert fizzbuzz(5)[-1] == "Buzz"
-
-def test_fizzbuzz():
-    assert fizzbuzz(15)[-1] == "FizzBuzz"
-'''
-
 # The hostile solution records what it could do when imported; every attempt must have failed.
 ATTEMPT_TESTS = '''
 import os
@@ -151,7 +136,7 @@ def task_set(tmp_path: Path) -> TaskSet:
         hidden = base / task_id / "hidden"
         (hidden / "tests_hidden").mkdir(parents=True)
         (hidden / "tests_hidden" / "test_solution.py").write_text(f"# {marker}\n"
-                                                                  + FIZZBUZZ_TESTS)
+                                                                  + FIZZBUZZ_HIDDEN_TESTS)
         if task_id == "hostile":
             (hidden / "tests_hidden" / "test_attempts.py").write_text(ATTEMPT_TESTS)
         (hidden / "pytest.ini").write_text("[pytest]\npythonpath = .\ntestpaths = tests_hidden\n")

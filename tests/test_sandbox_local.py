@@ -20,6 +20,7 @@ from sandbox.cgroup import parents
 from sandbox.limits import Limits
 from sandbox.presets import Harness
 from sandbox.tasks import Task, Timeouts, Verifier
+from tests.support.tasks import FIZZBUZZ_HIDDEN_TESTS
 
 ACCESS = RolloutAccess(
     rollout_id="r-test",
@@ -85,22 +86,7 @@ FIZZBUZZ_OK = textwrap.dedent('''
         return out
 ''')
 
-HIDDEN_TESTS = textwrap.dedent('''
-    # HIDDEN-MARKER
-    from fizzbuzz import fizzbuzz
-
-    def test_one():
-        assert fizzbuzz(1) == ["1"]
-
-    def test_fizz():
-        assert fizzbuzz(3)[-1] == "Fizz"
-
-    def test_buzz():
-        assert fizzbuzz(5)[-1] == "Buzz"
-
-    def test_fizzbuzz():
-        assert fizzbuzz(15)[-1] == "FizzBuzz"
-''')
+HIDDEN_TESTS = "# HIDDEN-MARKER\n" + FIZZBUZZ_HIDDEN_TESTS
 
 PYTEST = "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -I -m pytest -q -p no:cacheprovider"
 

@@ -270,15 +270,9 @@ _ROLLOUT_COLUMNS = "r.id, r.task_id, r.group_id, r.harness, r.status, r.reward, 
 
 
 def _rollout_fields(r) -> dict:
-    return {
-        "rollout_id": str(r["id"]),
-        "task_id": r["task_id"],
-        "group_id": r["group_id"],
-        "harness": r["harness"],
-        "status": r["status"],
-        "reward": r["reward"],
-        "created_at": r["created_at"],
-    }
+    from gateway.store import rollouts
+
+    return {**rollouts.identity(r), "created_at": r["created_at"]}
 
 
 async def _tokens(conn, side, clause, args, sink: Sink, bar) -> None:

@@ -13,6 +13,8 @@ from uuid import UUID
 
 import msgspec
 
+from gateway.store import rollouts
+
 STATUSES = ("running", "finished", "failed", "timeout")
 
 
@@ -101,12 +103,7 @@ def page_query(f: Filter, after: Cursor | None, limit: int) -> tuple[str, list]:
 def row_summary(r) -> dict:
     stats = r["merge_stats"] or {}
     return {
-        "rollout_id": str(r["id"]),
-        "task_id": r["task_id"],
-        "group_id": r["group_id"],
-        "status": r["status"],
-        "reward": r["reward"],
-        "harness": r["harness"],
+        **rollouts.identity(r),
         "calls": r["call_count"],
         "sequences": stats.get("sequences"),
         "trained_tokens": stats.get("trained_tokens"),

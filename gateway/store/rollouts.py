@@ -7,6 +7,18 @@ from uuid import UUID
 import asyncpg
 
 
+def identity(row) -> dict:
+    """What names a rollout and its outcome, as every listing, summary and export shows it."""
+    return {
+        "rollout_id": str(row["id"]),
+        "task_id": row["task_id"],
+        "group_id": row["group_id"],
+        "harness": row["harness"],
+        "status": row["status"],
+        "reward": row["reward"],
+    }
+
+
 async def create(
     conn: asyncpg.Connection,
     rollout_id: UUID,

@@ -204,14 +204,9 @@ async def rollout_detail(request: web.Request) -> web.Response:
     return _json(
         {
             "rollout": {
-                "rollout_id": str(row["id"]),
-                "task_id": row["task_id"],
-                "group_id": row["group_id"],
-                "status": row["status"],
-                "reward": row["reward"],
+                **rollouts_store.identity(row),
                 "metrics": row["metrics"],
                 "metadata": row["metadata"],
-                "harness": row["harness"],
                 "created_at": row["created_at"].isoformat(),
                 "finished_at": row["finished_at"] and row["finished_at"].isoformat(),
                 "merge_stats": row["merge_stats"],
