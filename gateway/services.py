@@ -58,7 +58,7 @@ class Services:
             replica_max_inflight=config.replica_max_inflight,
         )
         self.keys = RolloutKeys(pool)
-        self.recent = RecentCalls()
+        self.recent = RecentCalls(config.recent_calls_mib << 20)
         self.renderer = _renderer(config, self.upstreams)
         self.continuer = Continuer(config.continuation, pool, self.recent, self.renderer)
         self.recording = Recording(

@@ -130,6 +130,61 @@ def test_each_request_continues_the_previous_call(conv):
         assert keys.positions[i] == len(requests[turn - 1]["messages"])
 
 
+def same_keys(a: RequestKeys, b: RequestKeys, reply: dict) -> bool:
+    return (a.context, a.keys, a.positions, a.media, a.reply_keys(reply)) == (
+        b.context, b.keys, b.positions, b.media, b.reply_keys(reply)
+    )
+
+
+def variants(data, request: dict) -> dict:
+    """`request` maybe changed the ways that must not resume from its predecessor: an earlier
+    message edited (also to a value Python's == calls equal: 1 for 1.0 or true), other tools,
+    an assistant prefill at the end, messages dropped."""
+    out = copy.deepcopy(request)
+    messages = out["messages"]
+    change = data.draw(st.sampled_from(["none", "edit", "number", "tools", "prefill", "cut"]))
+    if change == "edit":
+        i = data.draw(st.integers(0, len(messages) - 1))
+        messages[i] = {**messages[i], "content": data.draw(texts)}
+    elif change == "number":
+        i = data.draw(st.integers(0, len(messages) - 1))
+        messages[i] = {**messages[i], "name": data.draw(st.sampled_from([1, 1.0, True]))}
+    elif change == "tools":
+        out["tools"] = []
+    elif change == "prefill":
+        messages.append({"role": "assistant", "content": data.draw(texts)})
+    elif change == "cut":
+        del messages[data.draw(st.integers(0, len(messages) - 1)) :]
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(conversations(), st.data())
+def test_rolling_keys_are_the_keys_from_scratch(conv, data):
+    requests, returned = conv
+    earlier: list[RequestKeys] = []
+    for request in requests:
+        request = variants(data, request)
+        rolled = RequestKeys(request, earlier)
+        assert same_keys(rolled, RequestKeys(request), returned[0])
+        earlier = [*earlier[-3:], rolled]
+
+
+def test_rolling_keys_resume_from_the_request_they_extend(monkeypatch):
+    first = {"model": "m", "messages": [{"role": "user", "content": "a"},
+                                        {"role": "assistant", "content": "b"}]}
+    second = {"model": "m", "messages": [*first["messages"], {"role": "user", "content": "c"}]}
+    hashed = []
+    original = cont.canonical_message
+    monkeypatch.setattr(cont, "canonical_message",
+                        lambda m, **kw: hashed.append(m) or original(m, **kw))
+    earlier = RequestKeys(first)
+    hashed.clear()
+    rolled = RequestKeys(second, [earlier])
+    assert hashed == [second["messages"][-1]]  # only the new message
+    assert rolled.keys == RequestKeys(second).keys and rolled.positions == [1]
+
+
 @settings(max_examples=300, deadline=None)
 @given(conversations(), st.data())
 def test_an_edit_before_a_reply_cuts_the_continuation_there(conv, data):

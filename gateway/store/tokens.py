@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 from uuid import UUID
 
 import numpy as np
@@ -68,35 +69,88 @@ def reconstruct_prompts(rows: Iterable[StoredTokens]) -> dict[UUID, np.ndarray]:
     return prompts
 
 
+class RecentCall(NamedTuple):
+    """One recent call as later calls of its rollout use it."""
+
+    id: UUID
+    full: np.ndarray  # prompt + completion ids: a delta-encoding candidate, a continued parent
+    body: bytes | None = None  # the request body as sent: the parent of a later body's delta
+    keys: Any = None  # its continuation keys, resumed by a later request's (RequestKeys)
+
+    @property
+    def nbytes(self) -> int:
+        return (
+            self.full.nbytes
+            + (len(self.body) if self.body is not None else 0)
+            + (self.keys.nbytes if self.keys is not None else 0)
+        )
+
+
 class RecentCalls:
-    """Prompt + completion ids of each running rollout's latest calls, the candidates a new
-    call's prompt is delta-encoded against. Bounded: the newest calls of a rollout are almost
-    always the best base, and a miss only costs storage, never correctness."""
+    """Each running rollout's latest calls: the candidates a new call's prompt is delta-encoded
+    against, and what a continued or delta-stored call needs of its parent. The newest calls of
+    a rollout are almost always the best base, and a miss only costs a database read (or a
+    whole body stored), never correctness.
 
-    def __init__(self, per_rollout: int = 8, rollouts: int = 4096) -> None:
+    Bounded by bytes (`max_bytes`): the least recently used rollouts are dropped first; a
+    rollout whose calls alone exceed the bound is not kept at all."""
+
+    def __init__(self, max_bytes: int = 512 << 20, per_rollout: int = 8) -> None:
+        self.max_bytes = max_bytes
         self.per_rollout = per_rollout
-        self._rollouts = rollouts
-        self._calls: OrderedDict[UUID, deque[tuple[UUID, np.ndarray]]] = OrderedDict()
+        self.nbytes = 0
+        self._calls: OrderedDict[UUID, deque[RecentCall]] = OrderedDict()
 
-    def get(self, rollout_id: UUID) -> list[tuple[UUID, np.ndarray]] | None:
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def entries(self, rollout_id: UUID) -> list[RecentCall] | None:
         calls = self._calls.get(rollout_id)
         if calls is None:
             return None
         self._calls.move_to_end(rollout_id)
         return list(calls)
 
-    def load(self, rollout_id: UUID, calls: Iterable[tuple[UUID, np.ndarray]]) -> None:
-        self._calls[rollout_id] = deque(calls, maxlen=self.per_rollout)
-        self._calls.move_to_end(rollout_id)
-        while len(self._calls) > self._rollouts:
-            self._calls.popitem(last=False)
+    def get(self, rollout_id: UUID) -> list[tuple[UUID, np.ndarray]] | None:
+        """(call id, prompt + completion ids) of the rollout's recent calls, oldest first."""
+        calls = self.entries(rollout_id)
+        return None if calls is None else [(c.id, c.full) for c in calls]
 
-    def add(self, rollout_id: UUID, call_id: UUID, full_ids: np.ndarray) -> None:
-        calls = self._calls.get(rollout_id)
-        if calls is None:
-            self.load(rollout_id, [(call_id, full_ids)])
-        else:
-            calls.append((call_id, full_ids))
+    def find(self, rollout_id: UUID, call_id: UUID) -> RecentCall | None:
+        return next((c for c in self._calls.get(rollout_id) or () if c.id == call_id), None)
+
+    def load(self, rollout_id: UUID, calls: Iterable[tuple[UUID, np.ndarray]]) -> None:
+        self.forget(rollout_id)
+        self._calls[rollout_id] = deque()
+        for call_id, full in calls:
+            self._append(rollout_id, RecentCall(call_id, full))
+        self._bound()
+
+    def add(
+        self,
+        rollout_id: UUID,
+        call_id: UUID,
+        full_ids: np.ndarray,
+        body: bytes | None = None,
+        keys: Any = None,
+    ) -> None:
+        if rollout_id not in self._calls:
+            self._calls[rollout_id] = deque()
+        self._calls.move_to_end(rollout_id)
+        self._append(rollout_id, RecentCall(call_id, full_ids, body, keys))
+        self._bound()
 
     def forget(self, rollout_id: UUID) -> None:
-        self._calls.pop(rollout_id, None)
+        for call in self._calls.pop(rollout_id, ()):
+            self.nbytes -= call.nbytes
+
+    def _append(self, rollout_id: UUID, call: RecentCall) -> None:
+        calls = self._calls[rollout_id]
+        if len(calls) >= self.per_rollout:
+            self.nbytes -= calls.popleft().nbytes
+        calls.append(call)
+        self.nbytes += call.nbytes
+
+    def _bound(self) -> None:
+        while self.nbytes > self.max_bytes and self._calls:
+            self.forget(next(iter(self._calls)))
