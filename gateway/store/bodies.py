@@ -23,6 +23,7 @@ before deltas) holds the whole body as one zstd frame.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Iterable
 from uuid import UUID
 
@@ -34,12 +35,25 @@ _HEADER = struct.Struct("<QQ")
 _MIN_DICT = 8
 
 
+# zstd contexts are costly to make (tens of microseconds, more than a small body's compression)
+# and not safe to share between threads: one of each per thread, for frames without dictionary.
+_contexts = threading.local()
+
+
+def _plain() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    pair = getattr(_contexts, "pair", None)
+    if pair is None:
+        pair = (zstandard.ZstdCompressor(level=LEVEL), zstandard.ZstdDecompressor())
+        _contexts.pair = pair
+    return pair
+
+
 def whole(body: bytes) -> bytes:
-    return zstandard.ZstdCompressor(level=LEVEL).compress(body)
+    return _plain()[0].compress(body)
 
 
 def unwhole(stored: bytes) -> bytes:
-    return zstandard.ZstdDecompressor().decompress(stored)
+    return _plain()[1].decompress(stored)
 
 
 def _shared(a: bytes, b: bytes, limit: int, at_end: bool) -> int:
@@ -78,7 +92,7 @@ def delta(parent: bytes, child: bytes) -> bytes:
     """`child` stored against `parent`: `apply(parent, delta(parent, child)) == child`."""
     pre, suf = _ends(parent, child)
     d = _dict(parent[pre : len(parent) - suf])
-    cctx = zstandard.ZstdCompressor(level=LEVEL, dict_data=d)
+    cctx = _plain()[0] if d is None else zstandard.ZstdCompressor(level=LEVEL, dict_data=d)
     return _HEADER.pack(pre, suf) + cctx.compress(child[pre : len(child) - suf])
 
 
@@ -88,7 +102,8 @@ def apply(parent: bytes, stored: bytes) -> bytes:
     if pre + suf > len(parent):
         raise ValueError("body delta does not fit its parent body")
     d = _dict(parent[pre : len(parent) - suf])
-    middle = zstandard.ZstdDecompressor(dict_data=d).decompress(stored[_HEADER.size :])
+    dctx = _plain()[1] if d is None else zstandard.ZstdDecompressor(dict_data=d)
+    middle = dctx.decompress(stored[_HEADER.size :])
     return parent[:pre] + middle + parent[len(parent) - suf :]
 
 

@@ -69,6 +69,10 @@ def reconstruct_prompts(rows: Iterable[StoredTokens]) -> dict[UUID, np.ndarray]:
     return prompts
 
 
+# What an entry costs besides its arrays and bytes (the tuple, the array and bytes headers).
+_ENTRY_OVERHEAD = 256
+
+
 class RecentCall(NamedTuple):
     """One recent call as later calls of its rollout use it."""
 
@@ -80,7 +84,8 @@ class RecentCall(NamedTuple):
     @property
     def nbytes(self) -> int:
         return (
-            self.full.nbytes
+            _ENTRY_OVERHEAD
+            + self.full.nbytes
             + (len(self.body) if self.body is not None else 0)
             + (self.keys.nbytes if self.keys is not None else 0)
         )
