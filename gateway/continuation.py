@@ -155,7 +155,8 @@ class RequestKeys:
     from the longest one whose messages open this request's, so only the new messages are
     hashed. Whether they open it is decided on the compact JSON of the messages (one C-level
     encode and a memcmp), which tells apart values Python's `==` would not (1, 1.0, true), so
-    the keys are exactly the ones hashing from scratch gives."""
+    the keys are exactly the ones hashing from scratch gives. (Bodies come from JSON, so they
+    hold no NaN or infinity, the only values that encode alike and hash differently.)"""
 
     __slots__ = ("context", "keys", "positions", "media", "_end", "_encoded", "_count", "_open")
 
