@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from gateway import continuation as cont
 from gateway.continuation import RequestKeys, assistant_suffix, counts, splice
-from gateway.render import Around, LocalTemplate, render_body, split_around
+from gateway.render import Around, CheckedRenderer, LocalTemplate, render_body, split_around
 
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
 
@@ -410,3 +411,36 @@ def test_local_tokenizer_equals_the_models(local_and_hf, pieces):
     local, hf = local_and_hf
     text = "".join(pieces)
     assert local.encode(text) == hf.encode(text, add_special_tokens=False).ids
+
+
+class _Engine:
+    """An engine stand-in that renders every probe like the local template below."""
+
+    async def render(self, upstream, body):
+        return [1, 2, 3]
+
+    async def around(self, upstream, body, upto):
+        return Around((1,), [2, 3], "engine")
+
+
+class _Local:
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def render(self, body, content_format):
+        return [1, 2, 3]
+
+    def around(self, body, upto, content_format):
+        self.threads.append(threading.current_thread().name)
+        return Around((1,), [2, 3], "local")
+
+
+async def test_local_renders_run_off_the_event_loop():
+    local = _Local()
+    renderer = CheckedRenderer(_Engine(), local)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    answers = [await renderer.around("u", body, 1) for _ in range(3)]
+    # The first request of a context is the engine's (and checks the local render).
+    assert [a.by for a in answers] == ["engine", "local", "local"]
+    assert local.threads and all(t.startswith("rolltap-render") for t in local.threads)
+    assert threading.current_thread().name not in local.threads
