@@ -105,6 +105,7 @@ def agent_rollout(n_calls: int = CALLS, seed: int = 0) -> list[Call]:
 def storage(calls: list[Call]) -> dict:
     tokens = bodies_whole = bodies_delta = replies = new_text = unique = 0
     earlier: list[tuple[int, np.ndarray]] = []
+    summaries: list[bytes] = []
     for i, call in enumerate(calls):
         base, shared = best_base(call.prompt, earlier)
         unique += call.prompt.size - shared + call.completion.size
@@ -114,8 +115,11 @@ def storage(calls: list[Call]) -> dict:
         replies += len(_zstd.compress(summary))
         bodies_whole += len(bodies.whole(call.raw))
         bodies_delta += len(
-            bodies.whole(call.raw) if base is None else bodies.delta(calls[base].raw, call.raw)
+            bodies.whole(call.raw)
+            if base is None
+            else bodies.delta(calls[base].raw, call.raw, summaries[base])
         )
+        summaries.append(summary)
         new_text += len(_zstd.compress(call.added)) + len(_zstd.compress(reply))
         earlier.append((i, np.concatenate((call.prompt, call.completion))))
     goal = TARGET_RATIO * (4 * unique + new_text)
@@ -180,7 +184,7 @@ def index_memory(tokens: int = 32_768, rollouts: int = 64, budget_mib: int = 64)
     peak = 0
     for r in range(rollouts):
         for c in range(8):
-            recent.add(r, c, ids.copy(), raw, keys)
+            recent.add(r, c, ids.copy(), keys, body=raw)
             peak = max(peak, recent.nbytes)
     return {
         "tokens": tokens,

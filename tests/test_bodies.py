@@ -56,17 +56,31 @@ def parent_and_child(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(parent_and_child())
-def test_delta_applies_to_the_same_bytes(pair):
+@given(parent_and_child(), json_values)
+def test_delta_applies_to_the_same_bytes(pair, reply):
     parent, child = pair
-    assert bodies.apply(parent, bodies.delta(parent, child)) == child
+    summary = msgspec.json.encode({"message": reply})
+    assert bodies.apply(parent, bodies.delta(parent, child, summary), summary) == child
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=300), st.binary(max_size=300))
-def test_any_bytes_round_trip(parent, child):
+@given(st.binary(max_size=300), st.binary(max_size=300), st.binary(max_size=100))
+def test_any_bytes_round_trip(parent, child, reply):
     assert bodies.apply(parent, bodies.delta(parent, child)) == child
+    assert bodies.apply(parent, bodies.delta(parent, child, reply), reply) == child
     assert bodies.unwhole(bodies.whole(child)) == child
+
+
+def test_the_parents_reply_sent_back_costs_a_reference():
+    rng = random.Random(2)
+    history = [{"role": "user", "content": rng.randbytes(800).hex()}]
+    reply = {"role": "assistant", "content": rng.randbytes(2000).hex()}
+    parent = msgspec.json.encode({"messages": history})
+    child = msgspec.json.encode({"messages": [*history, reply, {"role": "user", "content": "ok"}]})
+    summary = msgspec.json.encode({"message": reply, "finish_reason": "stop"})
+    stored = bodies.delta(parent, child, summary)
+    assert bodies.apply(parent, stored, summary) == child
+    assert len(stored) < 100 < len(bodies.delta(parent, child)) / 10
 
 
 @settings(max_examples=100, deadline=None)
@@ -109,13 +123,15 @@ def test_large_bodies_beyond_the_default_window():
 
 def test_reconstruct_resolves_chains_in_any_order():
     a, b, c, d = (uuid.uuid4() for _ in range(4))
-    raw = {a: b'{"messages":[1]}', b: b'{"messages":[1,2]}', c: b'{"messages":[1,2,3]}'}
+    raw = {a: b'{"messages":[1]}', b: b'{"messages":[1,"two",2]}', c: b'{"messages":[1,2,3]}'}
+    reply = b'{"message":"two"}'
     rows = [
-        (c, b, bodies.delta(raw[b], raw[c])),
-        (a, None, bodies.whole(raw[a])),
-        (d, None, None),
-        (b, a, bodies.delta(raw[a], raw[b])),
+        bodies.StoredBody(c, b, bodies.delta(raw[b], raw[c]), None),
+        bodies.StoredBody(a, None, bodies.whole(raw[a]), bodies.whole(reply)),
+        bodies.StoredBody(d, None, None, None),
+        bodies.StoredBody(b, a, bodies.delta(raw[a], raw[b], reply), None),
     ]
     assert bodies.reconstruct(rows) == {**raw, d: None}
     with pytest.raises(ValueError, match="has no body"):
-        bodies.reconstruct([(a, None, None), (b, a, bodies.delta(raw[a], raw[b]))])
+        bodies.reconstruct([bodies.StoredBody(a, None, None, None),
+                            bodies.StoredBody(b, a, bodies.delta(raw[a], raw[b]), None)])

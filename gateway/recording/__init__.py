@@ -91,7 +91,6 @@ class Recording:
             turn.confirm(prompt)
             candidates = turn.candidates(candidates)
         base_id, prefix_len = best_base(prompt, candidates) if len(prompt) else (None, 0)
-        request_body, request_base = self._request_body(rollout_id, base_id, call.raw)
         message = cap.message()
         response_summary = {
             "message": message,
@@ -103,6 +102,8 @@ class Recording:
             response_summary.update(call.state(call.state_source))
             response_id = response_summary["response_id"]
         reply_keys = turn.keys.reply_keys(message) if turn and status == "ok" else None
+        summary = _encode(response_summary)
+        request_body, request_base = self._request_body(rollout_id, base_id, call.raw)
         rec = calls_store.CallRecord(
             id=call.id,
             rollout_id=rollout_id,
@@ -126,7 +127,7 @@ class Recording:
             request_body=request_body,
             # Kept even without --record-bodies when it carries conversation state a later
             # request may continue from.
-            response_body=self._compress(_encode(response_summary))
+            response_body=self._compress(summary)
             if self._record_bodies or response_id
             else None,
             upstream=call.upstream,
@@ -153,8 +154,9 @@ class Recording:
                 rollout_id,
                 call.id,
                 np.concatenate((prompt, completion)),
-                call.raw if self._record_bodies else None,
                 turn.keys if turn else None,
+                body=call.raw if self._record_bodies else None,
+                reply=summary if self._record_bodies else b"",
             )
         if reply_keys:
             self._continuer.remember(rollout_id, call.id, reply_keys)
@@ -170,7 +172,7 @@ class Recording:
         base = self._recent.find(rollout_id, base_id) if base_id is not None else None
         if base is None or base.body is None:
             return bodies.whole(raw), None
-        return bodies.delta(base.body, raw), base_id
+        return bodies.delta(base.body, raw, base.reply), base_id
 
 
 def _failure(exc: BaseException) -> GatewayError:

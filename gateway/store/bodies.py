@@ -11,9 +11,10 @@ A delta keeps what the two bodies share at both ends: the parent's bytes up to t
 last message usually open the child too (the child adds messages), and the fields after the
 messages array (`tools`, `stream`, …) usually close both. What lies between (the new messages,
 plus whatever changed earlier: a moved cache breakpoint, an edited system prompt) is
-zstd-compressed with the parent's own middle as a raw-content dictionary, so text carried over
-from it costs a reference, not a copy. Finding the shared ends is a memcmp over the body, and
-the compression sees only the middle.
+zstd-compressed with the parent's own middle and the parent's reply (its stored response
+summary, which the harness sends back in its next request) as a raw-content dictionary, so text
+carried over from either costs a reference, not a copy. Finding the shared ends is a memcmp over
+the body, and the compression sees only the middle.
 
 Layout: 8-byte little-endian shared prefix length, 8-byte shared suffix length, then the zstd
 frame of the child's middle. A row without a parent (`request_base` NULL, every row written
@@ -25,6 +26,7 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Iterable
+from typing import NamedTuple
 from uuid import UUID
 
 import zstandard
@@ -82,52 +84,64 @@ def _ends(parent: bytes, child: bytes) -> tuple[int, int]:
     return pre, _shared(parent, child, shortest - pre, at_end=True)
 
 
-def _dict(middle: bytes) -> zstandard.ZstdCompressionDict | None:
-    if len(middle) < _MIN_DICT:
+def _dict(content: bytes) -> zstandard.ZstdCompressionDict | None:
+    if len(content) < _MIN_DICT:
         return None
-    return zstandard.ZstdCompressionDict(middle, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+    return zstandard.ZstdCompressionDict(content, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
 
 
-def delta(parent: bytes, child: bytes) -> bytes:
-    """`child` stored against `parent`: `apply(parent, delta(parent, child)) == child`."""
+def delta(parent: bytes, child: bytes, reply: bytes = b"") -> bytes:
+    """`child` stored against `parent`: `apply(parent, delta(parent, child, r), r) == child`.
+    `reply`: what the parent call returned (its stored response summary), which the child
+    usually sends back."""
     pre, suf = _ends(parent, child)
-    d = _dict(parent[pre : len(parent) - suf])
+    d = _dict(parent[pre : len(parent) - suf] + reply)
     cctx = _plain()[0] if d is None else zstandard.ZstdCompressor(level=LEVEL, dict_data=d)
     return _HEADER.pack(pre, suf) + cctx.compress(child[pre : len(child) - suf])
 
 
-def apply(parent: bytes, stored: bytes) -> bytes:
-    """The child body a `delta` against `parent` was made from."""
+def apply(parent: bytes, stored: bytes, reply: bytes = b"") -> bytes:
+    """The child body a `delta` against `parent` (and its `reply`) was made from."""
     pre, suf = _HEADER.unpack_from(stored)
     if pre + suf > len(parent):
         raise ValueError("body delta does not fit its parent body")
-    d = _dict(parent[pre : len(parent) - suf])
+    d = _dict(parent[pre : len(parent) - suf] + reply)
     dctx = _plain()[1] if d is None else zstandard.ZstdDecompressor(dict_data=d)
     middle = dctx.decompress(stored[_HEADER.size :])
     return parent[:pre] + middle + parent[len(parent) - suf :]
 
 
-def reconstruct(rows: Iterable[tuple[UUID, UUID | None, bytes | None]]) -> dict[UUID, bytes | None]:
-    """Every body of (call id, request base, stored body) rows, parents resolved first whatever
-    the order of `rows`; None where no body was kept. Every base must be among the rows."""
-    by_id = {cid: (base, stored) for cid, base, stored in rows}
+class StoredBody(NamedTuple):
+    """The body columns of one stored call."""
+
+    id: UUID
+    request_base: UUID | None
+    request_body: bytes | None  # whole, or a delta against request_base's body
+    response_body: bytes | None  # the zstd response summary: a later delta's `reply`
+
+
+def reconstruct(rows: Iterable[StoredBody]) -> dict[UUID, bytes | None]:
+    """Every request body of `rows`, parents resolved first whatever the order of `rows`; None
+    where no body was kept. Every request base must be among the rows."""
+    by_id = {r.id: r for r in rows}
     out: dict[UUID, bytes | None] = {}
     for call_id in by_id:
         # Iterative walk down to a resolved call: chains are as long as the rollout.
         chain = []
         cur: UUID | None = call_id
         while cur is not None and cur not in out:
-            chain.append(cur)
-            cur = by_id[cur][0]
-        for cid in reversed(chain):
-            base, stored = by_id[cid]
-            if stored is None:
-                out[cid] = None
-            elif base is None:
-                out[cid] = unwhole(stored)
+            chain.append(by_id[cur])
+            cur = by_id[cur].request_base
+        for row in reversed(chain):
+            if row.request_body is None:
+                out[row.id] = None
+            elif row.request_base is None:
+                out[row.id] = unwhole(row.request_body)
             else:
-                parent = out[base]
+                base = by_id[row.request_base]
+                parent = out[base.id]
                 if parent is None:
-                    raise ValueError(f"call {cid}: its body's parent {base} has no body")
-                out[cid] = apply(parent, stored)
+                    raise ValueError(f"call {row.id}: its body's parent {base.id} has no body")
+                reply = b"" if base.response_body is None else unwhole(base.response_body)
+                out[row.id] = apply(parent, row.request_body, reply)
     return out

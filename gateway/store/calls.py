@@ -198,7 +198,10 @@ async def rollout_calls(
         else {}
     )
     requests = (
-        bodies.reconstruct((r["id"], r["request_base"], r["request_body"]) for r in rows)
+        bodies.reconstruct(
+            bodies.StoredBody(r["id"], r["request_base"], r["request_body"], r["response_body"])
+            for r in rows
+        )
         if with_bodies
         else {}
     )
@@ -249,17 +252,18 @@ async def request_body(conn: asyncpg.Connection, rollout_id: UUID, call_id: UUID
     rows = await conn.fetch(
         """
         WITH RECURSIVE chain AS (
-            SELECT id, request_base, request_body FROM calls WHERE id = $2 AND rollout_id = $1
+            SELECT id, request_base, request_body, response_body FROM calls
+            WHERE id = $2 AND rollout_id = $1
             UNION ALL
-            SELECT c.id, c.request_base, c.request_body
+            SELECT c.id, c.request_base, c.request_body, c.response_body
             FROM calls c JOIN chain ON c.id = chain.request_base
         )
-        SELECT id, request_base, request_body FROM chain
+        SELECT id, request_base, request_body, response_body FROM chain
         """,
         rollout_id,
         call_id,
     )
-    return bodies.reconstruct(tuple(r) for r in rows).get(call_id)
+    return bodies.reconstruct(bodies.StoredBody(*r) for r in rows).get(call_id)
 
 
 async def response_state(conn: asyncpg.Connection, rollout_id: UUID, response_id: str):

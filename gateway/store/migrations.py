@@ -197,8 +197,9 @@ MIGRATIONS: list[tuple[int, str]] = [
         6,
         """
         -- Request bodies as deltas (gateway/store/bodies.py): `request_body` of a row with a
-        -- `request_base` is a delta against that call's body; without one (every row written
-        -- before this migration) it is the whole body, as before.
+        -- `request_base` is a delta against that call's request body and response body (the
+        -- reply the harness sends back); without one (every row written before this
+        -- migration) it is the whole body, as before.
         ALTER TABLE calls ADD COLUMN request_base uuid REFERENCES calls (id);
         """,
     ),

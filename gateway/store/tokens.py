@@ -78,8 +78,11 @@ class RecentCall(NamedTuple):
 
     id: UUID
     full: np.ndarray  # prompt + completion ids: a delta-encoding candidate, a continued parent
-    body: bytes | None = None  # the request body as sent: the parent of a later body's delta
     keys: Any = None  # its continuation keys, resumed by a later request's (RequestKeys)
+    # The request body as sent and the stored response summary (uncompressed): what a later
+    # request body is a delta against (store/bodies).
+    body: bytes | None = None
+    reply: bytes = b""
 
     @property
     def nbytes(self) -> int:
@@ -87,6 +90,7 @@ class RecentCall(NamedTuple):
             _ENTRY_OVERHEAD
             + self.full.nbytes
             + (len(self.body) if self.body is not None else 0)
+            + len(self.reply)
             + (self.keys.nbytes if self.keys is not None else 0)
         )
 
@@ -136,13 +140,14 @@ class RecentCalls:
         rollout_id: UUID,
         call_id: UUID,
         full_ids: np.ndarray,
-        body: bytes | None = None,
         keys: Any = None,
+        body: bytes | None = None,
+        reply: bytes = b"",
     ) -> None:
         if rollout_id not in self._calls:
             self._calls[rollout_id] = deque()
         self._calls.move_to_end(rollout_id)
-        self._append(rollout_id, RecentCall(call_id, full_ids, body, keys))
+        self._append(rollout_id, RecentCall(call_id, full_ids, keys, body, reply))
         self._bound()
 
     def forget(self, rollout_id: UUID) -> None:
