@@ -14,7 +14,7 @@
    resumed from the request it extends (now).
 3. Memory of the recent-calls index at 32k-token calls: before, 8 id arrays for each of up to
    4,096 rollouts and no bound in bytes; now, bounded by `--recent-calls-mib`, which also holds
-   each call's body and continuation keys.
+   the body and continuation keys of each rollout's 4 newest calls.
 
     python -m bench.bench_storage     # this section alone; `python -m bench` runs all
 """
@@ -173,26 +173,28 @@ def keys_cost(rounds: int) -> dict:
     }
 
 
-def index_memory(tokens: int = 32_768, rollouts: int = 64, budget_mib: int = 64) -> dict:
-    """The index fed `rollouts` rollouts of 8 calls at `tokens` tokens (ids, a body of 4 bytes a
-    token, keys) under a `budget_mib` bound; before: what 8 id arrays of 4,096 rollouts take."""
-    recent = RecentCalls(budget_mib << 20)
-    ids = np.zeros(tokens, dtype=np.int32)
-    body = _conversation(1)
+def index_memory(rollouts: int = 64, budget_mib: int = 64) -> dict:
+    """The index fed `rollouts` rollouts of 8 calls of a 32k-token conversation (ids, body,
+    keys) under a `budget_mib` bound; before: what 8 id arrays of 4,096 rollouts take."""
+    body = _conversation(115)
+    raw = msgspec.json.encode(body)
     keys = RequestKeys(body)
-    raw = b"x" * (4 * tokens)
+    tokens = len(raw) // CHARS_PER_TOKEN
+    recent = RecentCalls(budget_mib << 20)
     peak = 0
     for r in range(rollouts):
         for c in range(8):
-            recent.add(r, c, ids.copy(), keys, body=raw)
+            recent.add(r, c, np.zeros(tokens, dtype=np.int32), keys, body=raw)
             peak = max(peak, recent.nbytes)
+    per_rollout = recent.nbytes / len(recent)
     return {
         "tokens": tokens,
         "before_bytes": 4096 * 8 * 4 * tokens,
         "budget_bytes": budget_mib << 20,
         "peak_bytes": peak,
         "rollouts_kept": len(recent),
-        "default_rollouts": (512 << 20) // (8 * (8 * tokens + keys.nbytes)),
+        "per_rollout_bytes": per_rollout,
+        "default_rollouts": int((512 << 20) // per_rollout),
     }
 
 
@@ -227,10 +229,10 @@ def run(print_fn=print) -> dict:
     m = index_memory()
     print_fn(
         f"recent-calls index at {m['tokens']} tokens a call: before up to "
-        f"{m['before_bytes'] / 2**30:.1f} GiB (8 id arrays x 4096 rollouts); now bounded: "
-        f"{m['rollouts_kept']} rollouts kept under {m['budget_bytes'] >> 20} MiB "
-        f"(peak {m['peak_bytes'] / 2**20:.1f} MiB, with bodies and keys); the default "
-        f"512 MiB holds ~{m['default_rollouts']} such rollouts"
+        f"{m['before_bytes'] / 2**30:.1f} GiB (8 id arrays x 4096 rollouts, no bound in bytes); "
+        f"now {m['per_rollout_bytes'] / 2**20:.1f} MiB a rollout (8 id arrays, 4 bodies and "
+        f"keys), peak {m['peak_bytes'] / 2**20:.1f} MiB under a {m['budget_bytes'] >> 20} MiB "
+        f"bound; the default 512 MiB holds {m['default_rollouts']} such rollouts"
     )
     return {"storage": s, "keys": keys, "index": m}
 

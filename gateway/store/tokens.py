@@ -102,11 +102,14 @@ class RecentCalls:
     whole body stored), never correctness.
 
     Bounded by bytes (`max_bytes`): the least recently used rollouts are dropped first; a
-    rollout whose calls alone exceed the bound is not kept at all."""
+    rollout whose calls alone exceed the bound is not kept at all. Only the newest `heavy`
+    calls of a rollout keep their body and keys (as large as the conversation again, and
+    needed only of the call a conversation's next request extends)."""
 
-    def __init__(self, max_bytes: int = 512 << 20, per_rollout: int = 8) -> None:
+    def __init__(self, max_bytes: int = 512 << 20, per_rollout: int = 8, heavy: int = 4) -> None:
         self.max_bytes = max_bytes
         self.per_rollout = per_rollout
+        self.heavy = heavy
         self.nbytes = 0
         self._calls: OrderedDict[UUID, deque[RecentCall]] = OrderedDict()
 
@@ -160,6 +163,11 @@ class RecentCalls:
             self.nbytes -= calls.popleft().nbytes
         calls.append(call)
         self.nbytes += call.nbytes
+        if len(calls) > self.heavy:
+            old = calls[-self.heavy - 1]
+            if old.keys is not None or old.body is not None:
+                calls[-self.heavy - 1] = light = old._replace(keys=None, body=None, reply=b"")
+                self.nbytes += light.nbytes - old.nbytes
 
     def _bound(self) -> None:
         while self.nbytes > self.max_bytes and self._calls:
