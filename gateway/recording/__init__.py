@@ -48,14 +48,12 @@ class Recording:
         recorder: Recorder,
         recent: RecentCalls,
         continuer: Continuer,
-        compress,
         record_bodies: bool,
     ) -> None:
         self._pool = pool
         self.recorder = recorder
         self._recent = recent
         self._continuer = continuer
-        self._compress = compress
         self._record_bodies = record_bodies
 
     def admit(self) -> None:
@@ -127,7 +125,7 @@ class Recording:
             request_body=request_body,
             # Kept even without --record-bodies when it carries conversation state a later
             # request may continue from.
-            response_body=self._compress(summary)
+            response_body=bodies.whole(summary)
             if self._record_bodies or response_id
             else None,
             upstream=call.upstream,

@@ -31,7 +31,7 @@ from uuid import UUID
 
 import zstandard
 
-LEVEL = 3  # about 3x less CPU than zstd's default search, and JSON bodies still shrink 5-10x
+LEVEL = 3  # fast, and JSON conversations still shrink 5-10x
 _HEADER = struct.Struct("<QQ")
 # A raw-content dictionary shorter than this gives zstd nothing to match against.
 _MIN_DICT = 8
