@@ -18,7 +18,7 @@ the body, and the compression sees only the middle.
 
 Layout: 8-byte little-endian shared prefix length, 8-byte shared suffix length, then the zstd
 frame of the child's middle. A row without a parent (`request_base` NULL, every row written
-before deltas) holds the whole body as one zstd frame.
+before deltas) holds the whole body as one zstd frame, as does every response summary.
 """
 
 from __future__ import annotations

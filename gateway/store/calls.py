@@ -8,7 +8,6 @@ from uuid import UUID
 import asyncpg
 import msgspec
 import numpy as np
-import zstandard
 
 from gateway.store import bodies
 from gateway.store.tokens import (
@@ -175,11 +174,8 @@ async def find_replies(
     return [(r["id"], list(r["reply_keys"])) for r in rows]
 
 
-_dctx = zstandard.ZstdDecompressor()
-
-
 def decompress_json(raw: bytes | None):
-    return None if raw is None else msgspec.json.decode(_dctx.decompress(raw))
+    return None if raw is None else msgspec.json.decode(bodies.unwhole(raw))
 
 
 async def rollout_calls(
