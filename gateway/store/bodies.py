@@ -31,6 +31,8 @@ from uuid import UUID
 
 import zstandard
 
+from gateway.store.tokens import parents_first
+
 LEVEL = 3  # fast, and JSON conversations still shrink 5-10x
 _HEADER = struct.Struct("<QQ")
 # A raw-content dictionary shorter than this gives zstd nothing to match against.
@@ -125,23 +127,17 @@ def reconstruct(rows: Iterable[StoredBody]) -> dict[UUID, bytes | None]:
     where no body was kept. Every request base must be among the rows."""
     by_id = {r.id: r for r in rows}
     out: dict[UUID, bytes | None] = {}
-    for call_id in by_id:
-        # Iterative walk down to a resolved call: chains are as long as the rollout.
-        chain = []
-        cur: UUID | None = call_id
-        while cur is not None and cur not in out:
-            chain.append(by_id[cur])
-            cur = by_id[cur].request_base
-        for row in reversed(chain):
-            if row.request_body is None:
-                out[row.id] = None
-            elif row.request_base is None:
-                out[row.id] = unwhole(row.request_body)
-            else:
-                base = by_id[row.request_base]
-                parent = out[base.id]
-                if parent is None:
-                    raise ValueError(f"call {row.id}: its body's parent {base.id} has no body")
-                reply = b"" if base.response_body is None else unwhole(base.response_body)
-                out[row.id] = apply(parent, row.request_body, reply)
+    for call_id in parents_first({r.id: r.request_base for r in by_id.values()}):
+        row = by_id[call_id]
+        if row.request_body is None:
+            out[row.id] = None
+        elif row.request_base is None:
+            out[row.id] = unwhole(row.request_body)
+        else:
+            base = by_id[row.request_base]
+            parent = out[base.id]
+            if parent is None:
+                raise ValueError(f"call {row.id}: its body's parent {base.id} has no body")
+            reply = b"" if base.response_body is None else unwhole(base.response_body)
+            out[row.id] = apply(parent, row.request_body, reply)
     return out

@@ -42,30 +42,35 @@ class StoredTokens:
         self.completion_ids = ids_from_bytes(completion_ids)
 
 
+def parents_first(parent_of: Mapping[UUID, UUID | None]) -> list[UUID]:
+    """Every call of `parent_of` (call -> the call it is stored against), each after its parent.
+    Iterative: chains are as long as the rollout."""
+    order: list[UUID] = []
+    placed: set[UUID] = set()
+    for call_id in parent_of:
+        chain = []
+        cur: UUID | None = call_id
+        while cur is not None and cur not in placed:
+            chain.append(cur)
+            placed.add(cur)
+            cur = parent_of[cur]
+        order.extend(reversed(chain))
+    return order
+
+
 def reconstruct_prompts(rows: Iterable[StoredTokens]) -> dict[UUID, np.ndarray]:
     """Full prompt ids of every call: its base's prompt + completion, cut at `prefix_len`,
     followed by its own delta. Bases are resolved first whatever the order of `rows`."""
     by_id: Mapping[UUID, StoredTokens] = {r.id: r for r in rows}
     prompts: dict[UUID, np.ndarray] = {}
-
-    def full(call_id: UUID) -> np.ndarray:
-        # Iterative walk down to a resolved call: chains are as long as the rollout.
-        chain = []
-        cur: UUID | None = call_id
-        while cur is not None and cur not in prompts:
-            chain.append(by_id[cur])
-            cur = by_id[cur].base_id
-        for row in reversed(chain):
-            if row.base_id is None:
-                prompts[row.id] = row.prompt_delta
-            else:
-                base = by_id[row.base_id]
-                base_full = np.concatenate((prompts[base.id], base.completion_ids))
-                prompts[row.id] = np.concatenate((base_full[: row.prefix_len], row.prompt_delta))
-        return prompts[call_id]
-
-    for call_id in by_id:
-        full(call_id)
+    for call_id in parents_first({r.id: r.base_id for r in by_id.values()}):
+        row = by_id[call_id]
+        if row.base_id is None:
+            prompts[row.id] = row.prompt_delta
+        else:
+            base = by_id[row.base_id]
+            base_full = np.concatenate((prompts[base.id], base.completion_ids))
+            prompts[row.id] = np.concatenate((base_full[: row.prefix_len], row.prompt_delta))
     return prompts
 
 
