@@ -1,5 +1,5 @@
-"""The recent-calls index (gateway.store.tokens.RecentCalls): bounded by bytes, exact in what it
-keeps."""
+"""gateway.store.tokens: the order stored chains are resolved in, and the recent-calls index,
+bounded by bytes and exact in what it keeps."""
 
 from __future__ import annotations
 
@@ -7,7 +7,20 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.store.tokens import RecentCall, RecentCalls
+from gateway.store.tokens import RecentCall, RecentCalls, parents_first
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 10**6), max_size=40), st.data())
+def test_parents_come_first_whatever_the_order(order, data):
+    # A forest: each call's parent is an earlier one (as bases are), listed in any order.
+    calls = list(range(len(order)))
+    parent_of = {c: (data.draw(st.sampled_from([None, *calls[:c]])) if c else None) for c in calls}
+    shuffled = dict(sorted(parent_of.items(), key=lambda kv: order[kv[0]]))
+    resolved = parents_first(shuffled)
+    assert sorted(resolved) == calls
+    position = {c: i for i, c in enumerate(resolved)}
+    assert all(p is None or position[p] < position[c] for c, p in parent_of.items())
 
 
 def ids(n: int) -> np.ndarray:
