@@ -65,6 +65,10 @@ class GatewayConfig:
     # Call records waiting for their commit; past it new calls get 503 (529 on the Anthropic
     # API) with Retry-After rather than queueing without bound.
     max_pending_records: int = 4096
+    # Memory for running rollouts' latest calls (their ids, request bodies and continuation
+    # keys, see store/tokens.RecentCalls); past it the least recently used rollouts are read
+    # back from the database when they call again.
+    recent_calls_mib: int = 512
 
     def __post_init__(self) -> None:
         for name in ("eject_after", "max_inflight"):
@@ -80,6 +84,8 @@ class GatewayConfig:
         if self.db_pool_size < 4:
             # The recorder and the policy listener each hold one connection for good.
             raise ValueError("--db-pool-size must be at least 4")
+        if self.recent_calls_mib < 0:
+            raise ValueError("--recent-calls-mib must be zero or more")
         if self.continuation not in ("exact", "render"):
             raise ValueError(f"continuation must be exact or render, not {self.continuation!r}")
         self.upstreams = [u.rstrip("/") for u in self.upstreams]
@@ -245,6 +251,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "away with 503/529 and Retry-After (env ROLLTAP_MAX_PENDING_RECORDS; default "
         "%(default)s)",
     )
+    parser.add_argument(
+        "--recent-calls-mib",
+        type=int,
+        default=int(_env("RECENT_CALLS_MIB", "512")),
+        metavar="MIB",
+        help="memory for running rollouts' latest calls (ids, bodies, continuation keys); "
+        "past it the least recently used are read back from the database "
+        "(env ROLLTAP_RECENT_CALLS_MIB; default %(default)s)",
+    )
     for what, why in (
         ("constrained", "calls sampled under a grammar, forced tool or banned/forced tokens"),
         ("auxiliary", "sequences none of whose calls offered tools (titles, summaries)"),
@@ -332,6 +347,7 @@ def _config(args: argparse.Namespace, upstreams: list[str]) -> GatewayConfig:
         db_acquire_timeout_s=args.db_acquire_timeout,
         db_command_timeout_s=args.db_command_timeout,
         max_pending_records=args.max_pending_records,
+        recent_calls_mib=args.recent_calls_mib,
         merge_options=MergeOptions(
             train_constrained=args.train_constrained,
             train_auxiliary=args.train_auxiliary,

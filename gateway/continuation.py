@@ -12,8 +12,9 @@ template settings) are part of every key, so a request with other tools never co
 
 Keys are rolling hashes: a call stores the hash of (context, its request messages, its reply);
 a request hashes its messages once, front to back, and its key after each assistant message is a
-candidate. The longest stored match is the parent. Storage is a few 16-byte keys per call, and
-the cost per request is one pass over its messages.
+candidate. The longest stored match is the parent. Storage is a few 16-byte keys per call. The
+hashing resumes where an earlier request of the rollout that the request extends left off, so a
+request costs a pass over its new messages only (and a memcmp over the rest).
 
 Splice. ids = P's prompt + P's sampled ids + the template's end of an assistant turn (its
 end-of-turn token only if P's last sampled token is not already that token, e.g. P stopped at
@@ -63,6 +64,8 @@ IGNORED = "engine ignored prompt ids"  # its echoed prompt is not the splice
 _KEY_BYTES = 16
 _encode = msgspec.json.Encoder(order="sorted").encode
 _decode = msgspec.json.decode
+_encode_compact = msgspec.json.encode
+_COMMA = ord(",")
 
 
 class ContinuationRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -146,25 +149,74 @@ class RequestKeys:
 
     `keys[i]` is the key of the conversation up to and including the assistant message at
     `positions[i]`; only assistant messages followed by another message are candidates (a final
-    assistant message is a prefill, not a reply to continue from)."""
+    assistant message is a prefill, not a reply to continue from).
 
-    __slots__ = ("context", "keys", "positions", "media", "_end")
+    Rolling: given the keys of earlier requests of the rollout (`earlier`), the hashing resumes
+    from the longest one whose messages open this request's, so only the new messages are
+    hashed. Whether they open it is decided on the compact JSON of the messages (one C-level
+    encode and a memcmp), which tells apart values Python's `==` would not (1, 1.0, true), so
+    the keys are exactly the ones hashing from scratch gives. (Bodies come from JSON, so they
+    hold no NaN or infinity, the only values that encode alike and hash differently.)"""
 
-    def __init__(self, body: dict) -> None:
+    __slots__ = ("context", "keys", "positions", "media", "_end", "_encoded", "_count", "_open")
+
+    def __init__(self, body: dict, earlier: Iterable[RequestKeys] = ()) -> None:
         h = _context_hash(body)
         self.context = h.digest()
         messages = body.get("messages") or ()
+        self._encoded = _encode_compact(messages)
+        self._count = len(messages)
         self.keys: list[bytes] = []
         self.positions: list[int] = []
         self.media = False
-        for i, message in enumerate(messages):
+        start = 0
+        parent = self._resumable(earlier)
+        if parent is not None:
+            h = parent._end.copy()
+            self.keys = list(parent.keys)
+            self.positions = list(parent.positions)
+            self.media = parent.media
+            start = parent._count
+            if parent._open and start < len(messages):  # its final assistant turn is a reply now
+                self.keys.append(h.copy().digest())
+                self.positions.append(start - 1)
+        for i in range(start, len(messages)):
+            message = messages[i]
             data, media = canonical_message(message)
             self.media |= media
             _feed(h, data)
             if message.get("role") == "assistant" and i + 1 < len(messages):
                 self.keys.append(h.copy().digest())
                 self.positions.append(i)
+        self._open = bool(messages) and messages[-1].get("role") == "assistant"
         self._end = h
+
+    def _resumable(self, earlier: Iterable[RequestKeys]) -> RequestKeys | None:
+        """The earlier request with the most messages that open this one's, in the same context."""
+        best = None
+        for other in earlier:
+            n = other._count
+            if not n or other.context != self.context or n > self._count:
+                continue
+            if best is not None and n <= best._count:
+                continue
+            # `[m0,…,mk]` opens `[m0,…,mk,…]`: every JSON value ends where its text ends.
+            shared = len(other._encoded) - 1
+            if n == self._count:
+                same = other._encoded == self._encoded
+            else:
+                same = (
+                    self._encoded.startswith(other._encoded[:shared])
+                    and self._encoded[shared] == _COMMA
+                )
+            if same:
+                best = other
+        return best
+
+    @property
+    def nbytes(self) -> int:
+        """Memory kept for a later request's rolling keys (roughly)."""
+        return len(self._encoded) + 24 * len(self.keys) + 256
 
     def reply_keys(self, reply: dict) -> list[bytes]:
         """Keys under which a later request finds the call that got this request and returned

@@ -136,7 +136,8 @@ class Continuer:
     async def prepare(self, rollout_id: UUID, upstream: str, body: dict) -> Turn:
         """Decides how the engine gets this request's prompt; a render that fails means a plain
         render, not a failed request."""
-        keys = RequestKeys(body)
+        earlier = self._recent.entries(rollout_id) or ()
+        keys = RequestKeys(body, (c.keys for c in earlier if c.keys is not None))
         if not keys.keys:
             return Turn(keys, ContinuationRecord(path="render", reason=cont.FIRST_TURN))
         found = await self._find(rollout_id, keys)
@@ -199,9 +200,9 @@ class Continuer:
         return None if i < 0 else (i, replies.calls[keys.keys[i]])
 
     async def _parent_ids(self, rollout_id: UUID, call_id: UUID) -> np.ndarray | None:
-        for cid, full in self._recent.get(rollout_id) or ():
-            if cid == call_id:
-                return full
+        recent = self._recent.find(rollout_id, call_id)
+        if recent is not None:
+            return recent.full
         async with self._pool.acquire() as conn:
             return await calls_store.full_ids(conn, rollout_id, call_id)
 

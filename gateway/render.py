@@ -18,6 +18,7 @@ import json
 import logging
 import re
 import unicodedata
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 from typing import NamedTuple
@@ -503,6 +504,10 @@ class CheckedRenderer:
         self._contexts: dict[tuple[str, bytes], bool] = {}
         self._checks: set[asyncio.Task] = set()
         self.stats = {"local": 0, "engine": 0, "checked": 0, "mismatches": 0}
+        # Rendering a long conversation with Jinja and tokenizing it takes milliseconds of CPU:
+        # done on a thread of its own, the event loop goes on serving streams meanwhile. One
+        # thread: the renders hold the GIL, more would only contend for it.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rolltap-render")
 
     async def render(self, upstream: str, body: dict) -> list[int]:
         return await self._engine.render(upstream, body)
@@ -550,7 +555,9 @@ class CheckedRenderer:
         if fmt is None or trusted is False:
             return await self._engine_around(upstream, body, upto)
         try:
-            local = self._local.around(body, upto, fmt)
+            local = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._local.around, body, upto, fmt
+            )
         except Exception:  # noqa: BLE001 - e.g. a template error: the engine says what is wrong
             log.exception("local rendering failed; asking the engine")
             local = False

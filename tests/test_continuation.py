@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from gateway import continuation as cont
 from gateway.continuation import RequestKeys, assistant_suffix, counts, splice
-from gateway.render import Around, LocalTemplate, render_body, split_around
+from gateway.render import Around, CheckedRenderer, LocalTemplate, render_body, split_around
 
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
 
@@ -128,6 +129,61 @@ def test_each_request_continues_the_previous_call(conv):
         assert i >= 0 and known[keys.keys[i]] == turn - 1
         # The parent's request and reply cover exactly the messages up to its echoed reply.
         assert keys.positions[i] == len(requests[turn - 1]["messages"])
+
+
+def same_keys(a: RequestKeys, b: RequestKeys, reply: dict) -> bool:
+    return (a.context, a.keys, a.positions, a.media, a.reply_keys(reply)) == (
+        b.context, b.keys, b.positions, b.media, b.reply_keys(reply)
+    )
+
+
+def variants(data, request: dict) -> dict:
+    """`request` maybe changed the ways that must not resume from its predecessor: an earlier
+    message edited (also to a value Python's == calls equal: 1 for 1.0 or true), other tools,
+    an assistant prefill at the end, messages dropped."""
+    out = copy.deepcopy(request)
+    messages = out["messages"]
+    change = data.draw(st.sampled_from(["none", "edit", "number", "tools", "prefill", "cut"]))
+    if change == "edit":
+        i = data.draw(st.integers(0, len(messages) - 1))
+        messages[i] = {**messages[i], "content": data.draw(texts)}
+    elif change == "number":
+        i = data.draw(st.integers(0, len(messages) - 1))
+        messages[i] = {**messages[i], "name": data.draw(st.sampled_from([1, 1.0, True]))}
+    elif change == "tools":
+        out["tools"] = []
+    elif change == "prefill":
+        messages.append({"role": "assistant", "content": data.draw(texts)})
+    elif change == "cut":
+        del messages[data.draw(st.integers(0, len(messages) - 1)) :]
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(conversations(), st.data())
+def test_rolling_keys_are_the_keys_from_scratch(conv, data):
+    requests, returned = conv
+    earlier: list[RequestKeys] = []
+    for request in requests:
+        request = variants(data, request)
+        rolled = RequestKeys(request, earlier)
+        assert same_keys(rolled, RequestKeys(request), returned[0])
+        earlier = [*earlier[-3:], rolled]
+
+
+def test_rolling_keys_resume_from_the_request_they_extend(monkeypatch):
+    first = {"model": "m", "messages": [{"role": "user", "content": "a"},
+                                        {"role": "assistant", "content": "b"}]}
+    second = {"model": "m", "messages": [*first["messages"], {"role": "user", "content": "c"}]}
+    hashed = []
+    original = cont.canonical_message
+    monkeypatch.setattr(cont, "canonical_message",
+                        lambda m, **kw: hashed.append(m) or original(m, **kw))
+    earlier = RequestKeys(first)
+    hashed.clear()
+    rolled = RequestKeys(second, [earlier])
+    assert hashed == [second["messages"][-1]]  # only the new message
+    assert rolled.keys == RequestKeys(second).keys and rolled.positions == [1]
 
 
 @settings(max_examples=300, deadline=None)
@@ -355,3 +411,36 @@ def test_local_tokenizer_equals_the_models(local_and_hf, pieces):
     local, hf = local_and_hf
     text = "".join(pieces)
     assert local.encode(text) == hf.encode(text, add_special_tokens=False).ids
+
+
+class _Engine:
+    """An engine stand-in that renders every probe like the local template below."""
+
+    async def render(self, upstream, body):
+        return [1, 2, 3]
+
+    async def around(self, upstream, body, upto):
+        return Around((1,), [2, 3], "engine")
+
+
+class _Local:
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def render(self, body, content_format):
+        return [1, 2, 3]
+
+    def around(self, body, upto, content_format):
+        self.threads.append(threading.current_thread().name)
+        return Around((1,), [2, 3], "local")
+
+
+async def test_local_renders_run_off_the_event_loop():
+    local = _Local()
+    renderer = CheckedRenderer(_Engine(), local)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    answers = [await renderer.around("u", body, 1) for _ in range(3)]
+    # The first request of a context is the engine's (and checks the local render).
+    assert [a.by for a in answers] == ["engine", "local", "local"]
+    assert local.threads and all(t.startswith("rolltap-render") for t in local.threads)
+    assert threading.current_thread().name not in local.threads

@@ -8,15 +8,21 @@ conversation drifts at nearly every turn (see the `--continuation render` test).
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import shutil
+import uuid
 
 import anthropic
+import asyncpg
 import httpx
 import openai
 import pytest
 
 from gateway.render import CheckedRenderer, EngineRenderer, LocalTemplate
+from gateway.store import bodies
+from gateway.store import calls as calls_store
 from gateway.upstream import Upstreams
 from tests.support.gateway import GatewayProcess
 from tests.support.postgres import fresh_database
@@ -536,3 +542,66 @@ async def test_local_template_is_used_only_where_it_reproduces_the_engine(vllm_s
         ]
     finally:
         await ups.close()
+
+
+async def _stored_bodies(dsn: str, rollout_id: str) -> list[tuple]:
+    """(base call, request base, stored body, digest, body read back) of each call, in order."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT id, base_id, request_base, request_body, body_digest FROM calls"
+            " WHERE rollout_id = $1 ORDER BY seq",
+            rollout_id,
+        )
+        return [
+            (r["base_id"], r["request_base"], r["request_body"], r["body_digest"],
+             await calls_store.request_body(conn, uuid.UUID(rollout_id), r["id"]))
+            for r in rows
+        ]
+    finally:
+        await conn.close()
+
+
+def test_request_bodies_are_deltas_read_back_exactly(gateway, vllm_server, database_url):
+    rollout, requests = chat_conversation(gateway, vllm_server.model, stream=True)
+    calls = gateway.calls(rollout["rollout_id"])
+    assert [c["request"]["messages"] for c in calls] == requests
+    stored = asyncio.run(_stored_bodies(database_url, rollout["rollout_id"]))
+    assert stored[0][1] is None  # the first body is whole
+    for *_, digest, raw in stored:
+        # The very bytes the SDK sent: their digest is the one taken on arrival.
+        assert hashlib.blake2b(raw, digest_size=16).digest() == digest
+    for base_id, request_base, body, _digest, raw in stored[1:]:
+        # A delta against the previous turn's body, much smaller than the body compressed.
+        assert request_base == base_id
+        assert len(body) < len(bodies.whole(raw)) / 2
+
+
+@pytest.fixture
+def forgetful_gateway(vllm_server, own_database, tmp_path):
+    """A gateway that keeps no recent calls in memory: every call reads its rollout back."""
+    gw = GatewayProcess(
+        [vllm_server.url],
+        own_database,
+        "--recent-calls-mib",
+        "0",
+        "--train-constrained",
+        log_path=tmp_path / "gateway.log",
+    )
+    gw.start()
+    yield gw
+    gw.stop()
+
+
+def test_without_recent_calls_in_memory_calls_continue_exactly(
+    forgetful_gateway, vllm_server, own_database
+):
+    rollout, requests = chat_conversation(forgetful_gateway, vllm_server.model)
+    calls = assert_one_exact_sequence(forgetful_gateway, rollout)
+    assert [c["request"]["messages"] for c in calls] == requests
+    # No parent body at hand: every body is stored whole, and reads back all the same.
+    for _base, request_base, _body, digest, raw in asyncio.run(
+        _stored_bodies(own_database, rollout["rollout_id"])
+    ):
+        assert request_base is None
+        assert hashlib.blake2b(raw, digest_size=16).digest() == digest

@@ -310,21 +310,20 @@ async def _tokens(conn, side, clause, args, sink: Sink, bar) -> None:
 
 
 async def _messages(conn, side, clause, args, sink: Sink, bar) -> None:
-    import zstandard
-
     from gateway.conversation import chat_view
     from gateway.protocols.errors import GatewayError
+    from gateway.store import bodies
     from gateway.store import calls as calls_store
 
     sql = (
-        f"SELECT {_ROLLOUT_COLUMNS}, c.id AS call_id, c.protocol, c.request_body,"
-        f" c.response_body FROM (SELECT * FROM rollouts{clause}) r"
-        " CROSS JOIN LATERAL (SELECT id, protocol, request_body, response_body FROM calls"
+        f"SELECT {_ROLLOUT_COLUMNS}, c.id AS call_id, c.protocol, c.request_base,"
+        f" c.request_body, c.response_body FROM (SELECT * FROM rollouts{clause}) r"
+        " CROSS JOIN LATERAL (SELECT id, protocol, request_base, request_body, response_body"
+        "   FROM calls"
         "   WHERE rollout_id = r.id AND status = 'ok' AND request_body IS NOT NULL"
         "   ORDER BY offered_tools DESC, seq DESC LIMIT 1) c"
         " ORDER BY r.created_at, r.id"
     )
-    dctx = zstandard.ZstdDecompressor()
     async for row in conn.cursor(sql, *args, prefetch=32):
         bar.update(1)
         reply = calls_store.decompress_json(row["response_body"])
@@ -338,9 +337,12 @@ async def _messages(conn, side, clause, args, sink: Sink, bar) -> None:
                     row["id"],
                 )
             }
+        if row["request_base"] is None:
+            request = bodies.unwhole(row["request_body"])
+        else:  # a delta: its chain of parent bodies
+            request = await calls_store.request_body(side, row["id"], row["call_id"])
         try:
-            view = chat_view(row["protocol"], dctx.decompress(row["request_body"]),
-                             reply and reply.get("message"), states.get)
+            view = chat_view(row["protocol"], request, reply and reply.get("message"), states.get)
         except GatewayError:
             continue  # a body the gateway refused when it came; nothing to learn from
         if view is None:

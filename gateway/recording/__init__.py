@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 import asyncpg
@@ -20,6 +21,7 @@ import numpy as np
 from gateway.merge import best_base
 from gateway.protocols.errors import GatewayError
 from gateway.recording.recorder import Recorder, Unavailable
+from gateway.store import bodies
 from gateway.store import calls as calls_store
 from gateway.store.db import UNAVAILABLE
 from gateway.store.tokens import IDS, LOGPROBS, RecentCalls
@@ -46,14 +48,12 @@ class Recording:
         recorder: Recorder,
         recent: RecentCalls,
         continuer: Continuer,
-        compress,
         record_bodies: bool,
     ) -> None:
         self._pool = pool
         self.recorder = recorder
         self._recent = recent
         self._continuer = continuer
-        self._compress = compress
         self._record_bodies = record_bodies
 
     def admit(self) -> None:
@@ -100,6 +100,8 @@ class Recording:
             response_summary.update(call.state(call.state_source))
             response_id = response_summary["response_id"]
         reply_keys = turn.keys.reply_keys(message) if turn and status == "ok" else None
+        summary = _encode(response_summary)
+        request_body, request_base = self._request_body(rollout_id, base_id, call.raw)
         rec = calls_store.CallRecord(
             id=call.id,
             rollout_id=rollout_id,
@@ -120,10 +122,10 @@ class Recording:
             model=call.model,
             requested=call.requested,
             applied=call.applied,
-            request_body=self._compress(call.raw) if self._record_bodies else None,
+            request_body=request_body,
             # Kept even without --record-bodies when it carries conversation state a later
             # request may continue from.
-            response_body=self._compress(_encode(response_summary))
+            response_body=bodies.whole(summary)
             if self._record_bodies or response_id
             else None,
             upstream=call.upstream,
@@ -138,6 +140,7 @@ class Recording:
             constrained=bool(call.constraints),
             body_digest=call.digest,
             retry_count=call.retry_count,
+            request_base=request_base,
         )
         try:
             await self.recorder.record(rec)
@@ -145,10 +148,29 @@ class Recording:
             raise _failure(exc) from exc
         # Committed: from now on a later call may use it as its base or continue from it.
         if len(prompt):
-            self._recent.add(rollout_id, call.id, np.concatenate((prompt, completion)))
+            self._recent.add(
+                rollout_id,
+                call.id,
+                np.concatenate((prompt, completion)),
+                turn.keys if turn else None,
+                body=call.raw if self._record_bodies else None,
+                reply=summary if self._record_bodies else b"",
+            )
         if reply_keys:
             self._continuer.remember(rollout_id, call.id, reply_keys)
         return rec
+
+    def _request_body(
+        self, rollout_id, base_id, raw: bytes
+    ) -> tuple[bytes | None, uuid.UUID | None]:
+        """(stored body, the call it is a delta against): the token base's body is the parent
+        (the same conversation, one turn earlier); whole when that body is not at hand."""
+        if not self._record_bodies:
+            return None, None
+        base = self._recent.find(rollout_id, base_id) if base_id is not None else None
+        if base is None or base.body is None:
+            return bodies.whole(raw), None
+        return bodies.delta(base.body, raw, base.reply), base_id
 
 
 def _failure(exc: BaseException) -> GatewayError:

@@ -8,8 +8,8 @@ from uuid import UUID
 import asyncpg
 import msgspec
 import numpy as np
-import zstandard
 
+from gateway.store import bodies
 from gateway.store.tokens import (
     StoredTokens,
     ids_from_bytes,
@@ -38,7 +38,7 @@ class CallRecord(msgspec.Struct, kw_only=True):
     model: str | None
     requested: dict
     applied: dict
-    request_body: bytes | None  # zstd
+    request_body: bytes | None  # zstd, whole or a delta against `request_base` (store/bodies)
     response_body: bytes | None  # zstd
     upstream: str | None
     latency_ms: float
@@ -52,6 +52,7 @@ class CallRecord(msgspec.Struct, kw_only=True):
     constrained: bool = False
     body_digest: bytes | None = None
     retry_count: int = 0
+    request_base: UUID | None = None  # the call whose body `request_body` is a delta against
 
 
 # The rollout row lock taken by the UPDATE numbers a rollout's calls in commit order, also when
@@ -64,10 +65,11 @@ INSERT INTO calls (
     id, rollout_id, seq, protocol, status, base_id, prefix_len, prompt_len, prompt_delta,
     completion_ids, logprobs, versions, finish_reason, offered_tools, model, requested, applied,
     request_body, response_body, upstream, latency_ms, ttft_ms, error, user_agent, response_id,
-    continuation, reply_keys, rerouted, constrained, body_digest, retry_count, started_at
+    continuation, reply_keys, rerouted, constrained, body_digest, retry_count, started_at,
+    request_base
 )
 SELECT $1, $2, bump.call_count, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
-       $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31
+       $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32
 FROM bump
 """
 
@@ -105,6 +107,7 @@ def insert_args(r: CallRecord) -> tuple:
         r.body_digest,
         r.retry_count,
         r.started_at,
+        r.request_base,
     )
 
 
@@ -171,11 +174,8 @@ async def find_replies(
     return [(r["id"], list(r["reply_keys"])) for r in rows]
 
 
-_dctx = zstandard.ZstdDecompressor()
-
-
 def decompress_json(raw: bytes | None):
-    return None if raw is None else msgspec.json.decode(_dctx.decompress(raw))
+    return None if raw is None else msgspec.json.decode(bodies.unwhole(raw))
 
 
 async def rollout_calls(
@@ -191,6 +191,14 @@ async def rollout_calls(
             for r in rows
         )
         if with_tokens
+        else {}
+    )
+    requests = (
+        bodies.reconstruct(
+            bodies.StoredBody(r["id"], r["request_base"], r["request_body"], r["response_body"])
+            for r in rows
+        )
+        if with_bodies
         else {}
     )
     out = []
@@ -227,10 +235,31 @@ async def rollout_calls(
             call["logprobs"] = logprobs_from_bytes(r["logprobs"]).tolist()
             call["versions"] = ids_from_bytes(r["versions"]).tolist()
         if with_bodies:
-            call["request"] = decompress_json(r["request_body"])
+            raw = requests[r["id"]]
+            call["request"] = None if raw is None else msgspec.json.decode(raw)
             call["response"] = decompress_json(r["response_body"])
         out.append(call)
     return out
+
+
+async def request_body(conn: asyncpg.Connection, rollout_id: UUID, call_id: UUID) -> bytes | None:
+    """The request body of one call, exactly as the harness sent it, from its chain of parent
+    bodies only; None if none was kept."""
+    rows = await conn.fetch(
+        """
+        WITH RECURSIVE chain AS (
+            SELECT id, request_base, request_body, response_body FROM calls
+            WHERE id = $2 AND rollout_id = $1
+            UNION ALL
+            SELECT c.id, c.request_base, c.request_body, c.response_body
+            FROM calls c JOIN chain ON c.id = chain.request_base
+        )
+        SELECT id, request_base, request_body, response_body FROM chain
+        """,
+        rollout_id,
+        call_id,
+    )
+    return bodies.reconstruct(bodies.StoredBody(*r) for r in rows).get(call_id)
 
 
 async def response_state(conn: asyncpg.Connection, rollout_id: UUID, response_id: str):

@@ -193,6 +193,16 @@ MIGRATIONS: list[tuple[int, str]] = [
             FOR EACH ROW EXECUTE FUNCTION rolltap_refuse_late_call();
         """,
     ),
+    (
+        6,
+        """
+        -- Request bodies as deltas (gateway/store/bodies.py): `request_body` of a row with a
+        -- `request_base` is a delta against that call's request body and response body (the
+        -- reply the harness sends back); without one (every row written before this
+        -- migration) it is the whole body, as before.
+        ALTER TABLE calls ADD COLUMN request_base uuid REFERENCES calls (id);
+        """,
+    ),
 ]
 
 _LOCK_ID = 0x726F6C6C746170  # "rolltap"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 from uuid import UUID
 
 import numpy as np
@@ -41,62 +42,138 @@ class StoredTokens:
         self.completion_ids = ids_from_bytes(completion_ids)
 
 
+def parents_first(parent_of: Mapping[UUID, UUID | None]) -> list[UUID]:
+    """Every call of `parent_of` (call -> the call it is stored against), each after its parent.
+    Iterative: chains are as long as the rollout."""
+    order: list[UUID] = []
+    placed: set[UUID] = set()
+    for call_id in parent_of:
+        chain = []
+        cur: UUID | None = call_id
+        while cur is not None and cur not in placed:
+            chain.append(cur)
+            placed.add(cur)
+            cur = parent_of[cur]
+        order.extend(reversed(chain))
+    return order
+
+
 def reconstruct_prompts(rows: Iterable[StoredTokens]) -> dict[UUID, np.ndarray]:
     """Full prompt ids of every call: its base's prompt + completion, cut at `prefix_len`,
     followed by its own delta. Bases are resolved first whatever the order of `rows`."""
     by_id: Mapping[UUID, StoredTokens] = {r.id: r for r in rows}
     prompts: dict[UUID, np.ndarray] = {}
-
-    def full(call_id: UUID) -> np.ndarray:
-        # Iterative walk down to a resolved call: chains are as long as the rollout.
-        chain = []
-        cur: UUID | None = call_id
-        while cur is not None and cur not in prompts:
-            chain.append(by_id[cur])
-            cur = by_id[cur].base_id
-        for row in reversed(chain):
-            if row.base_id is None:
-                prompts[row.id] = row.prompt_delta
-            else:
-                base = by_id[row.base_id]
-                base_full = np.concatenate((prompts[base.id], base.completion_ids))
-                prompts[row.id] = np.concatenate((base_full[: row.prefix_len], row.prompt_delta))
-        return prompts[call_id]
-
-    for call_id in by_id:
-        full(call_id)
+    for call_id in parents_first({r.id: r.base_id for r in by_id.values()}):
+        row = by_id[call_id]
+        if row.base_id is None:
+            prompts[row.id] = row.prompt_delta
+        else:
+            base = by_id[row.base_id]
+            base_full = np.concatenate((prompts[base.id], base.completion_ids))
+            prompts[row.id] = np.concatenate((base_full[: row.prefix_len], row.prompt_delta))
     return prompts
 
 
+# What an entry costs besides its arrays and bytes (the tuple, the array and bytes headers).
+_ENTRY_OVERHEAD = 256
+
+
+class RecentCall(NamedTuple):
+    """One recent call as later calls of its rollout use it."""
+
+    id: UUID
+    full: np.ndarray  # prompt + completion ids: a delta-encoding candidate, a continued parent
+    keys: Any = None  # its continuation keys, resumed by a later request's (RequestKeys)
+    # The request body as sent and the stored response summary (uncompressed): what a later
+    # request body is a delta against (store/bodies).
+    body: bytes | None = None
+    reply: bytes = b""
+
+    @property
+    def nbytes(self) -> int:
+        return (
+            _ENTRY_OVERHEAD
+            + self.full.nbytes
+            + (len(self.body) if self.body is not None else 0)
+            + len(self.reply)
+            + (self.keys.nbytes if self.keys is not None else 0)
+        )
+
+
 class RecentCalls:
-    """Prompt + completion ids of each running rollout's latest calls, the candidates a new
-    call's prompt is delta-encoded against. Bounded: the newest calls of a rollout are almost
-    always the best base, and a miss only costs storage, never correctness."""
+    """Each running rollout's latest calls: the candidates a new call's prompt is delta-encoded
+    against, and what a continued or delta-stored call needs of its parent. The newest calls of
+    a rollout are almost always the best base, and a miss only costs a database read (or a
+    whole body stored), never correctness.
 
-    def __init__(self, per_rollout: int = 8, rollouts: int = 4096) -> None:
+    Bounded by bytes (`max_bytes`): the least recently used rollouts are dropped first; a
+    rollout whose calls alone exceed the bound is not kept at all. Only the newest `heavy`
+    calls of a rollout keep their body and keys (as large as the conversation again, and
+    needed only of the call a conversation's next request extends)."""
+
+    def __init__(self, max_bytes: int = 512 << 20, per_rollout: int = 8, heavy: int = 4) -> None:
+        self.max_bytes = max_bytes
         self.per_rollout = per_rollout
-        self._rollouts = rollouts
-        self._calls: OrderedDict[UUID, deque[tuple[UUID, np.ndarray]]] = OrderedDict()
+        self.heavy = heavy
+        self.nbytes = 0
+        self._calls: OrderedDict[UUID, deque[RecentCall]] = OrderedDict()
 
-    def get(self, rollout_id: UUID) -> list[tuple[UUID, np.ndarray]] | None:
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def entries(self, rollout_id: UUID) -> list[RecentCall] | None:
         calls = self._calls.get(rollout_id)
         if calls is None:
             return None
         self._calls.move_to_end(rollout_id)
         return list(calls)
 
-    def load(self, rollout_id: UUID, calls: Iterable[tuple[UUID, np.ndarray]]) -> None:
-        self._calls[rollout_id] = deque(calls, maxlen=self.per_rollout)
-        self._calls.move_to_end(rollout_id)
-        while len(self._calls) > self._rollouts:
-            self._calls.popitem(last=False)
+    def get(self, rollout_id: UUID) -> list[tuple[UUID, np.ndarray]] | None:
+        """(call id, prompt + completion ids) of the rollout's recent calls, oldest first."""
+        calls = self.entries(rollout_id)
+        return None if calls is None else [(c.id, c.full) for c in calls]
 
-    def add(self, rollout_id: UUID, call_id: UUID, full_ids: np.ndarray) -> None:
-        calls = self._calls.get(rollout_id)
-        if calls is None:
-            self.load(rollout_id, [(call_id, full_ids)])
-        else:
-            calls.append((call_id, full_ids))
+    def find(self, rollout_id: UUID, call_id: UUID) -> RecentCall | None:
+        return next((c for c in self._calls.get(rollout_id) or () if c.id == call_id), None)
+
+    def load(self, rollout_id: UUID, calls: Iterable[tuple[UUID, np.ndarray]]) -> None:
+        self.forget(rollout_id)
+        self._calls[rollout_id] = deque()
+        for call_id, full in calls:
+            self._append(rollout_id, RecentCall(call_id, full))
+        self._bound()
+
+    def add(
+        self,
+        rollout_id: UUID,
+        call_id: UUID,
+        full_ids: np.ndarray,
+        keys: Any = None,
+        body: bytes | None = None,
+        reply: bytes = b"",
+    ) -> None:
+        if rollout_id not in self._calls:
+            self._calls[rollout_id] = deque()
+        self._calls.move_to_end(rollout_id)
+        self._append(rollout_id, RecentCall(call_id, full_ids, keys, body, reply))
+        self._bound()
 
     def forget(self, rollout_id: UUID) -> None:
-        self._calls.pop(rollout_id, None)
+        for call in self._calls.pop(rollout_id, ()):
+            self.nbytes -= call.nbytes
+
+    def _append(self, rollout_id: UUID, call: RecentCall) -> None:
+        calls = self._calls[rollout_id]
+        if len(calls) >= self.per_rollout:
+            self.nbytes -= calls.popleft().nbytes
+        calls.append(call)
+        self.nbytes += call.nbytes
+        if len(calls) > self.heavy:
+            old = calls[-self.heavy - 1]
+            if old.keys is not None or old.body is not None:
+                calls[-self.heavy - 1] = light = old._replace(keys=None, body=None, reply=b"")
+                self.nbytes += light.nbytes - old.nbytes
+
+    def _bound(self) -> None:
+        while self.nbytes > self.max_bytes and self._calls:
+            self.forget(next(iter(self._calls)))

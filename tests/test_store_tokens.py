@@ -1,0 +1,73 @@
+"""gateway.store.tokens: the order stored chains are resolved in, and the recent-calls index,
+bounded by bytes and exact in what it keeps."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.store.tokens import RecentCall, RecentCalls, parents_first
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 10**6), max_size=40), st.data())
+def test_parents_come_first_whatever_the_order(order, data):
+    # A forest: each call's parent is an earlier one (as bases are), listed in any order.
+    calls = list(range(len(order)))
+    parent_of = {c: (data.draw(st.sampled_from([None, *calls[:c]])) if c else None) for c in calls}
+    shuffled = dict(sorted(parent_of.items(), key=lambda kv: order[kv[0]]))
+    resolved = parents_first(shuffled)
+    assert sorted(resolved) == calls
+    position = {c: i for i, c in enumerate(resolved)}
+    assert all(p is None or position[p] < position[c] for c, p in parent_of.items())
+
+
+def ids(n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int32)
+
+
+def kept_bytes(recent: RecentCalls) -> int:
+    return sum(c.nbytes for r in list(recent._calls) for c in recent.entries(r))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 20_000),
+    st.lists(
+        st.tuples(st.integers(0, 5), st.integers(0, 2000), st.binary(max_size=3000),
+                  st.booleans()),
+        max_size=60,
+    ),
+)
+def test_never_above_the_bound_and_counts_what_it_keeps(max_bytes, calls):
+    recent = RecentCalls(max_bytes, per_rollout=3, heavy=2)
+    for n, (rollout, size, body, forget) in enumerate(calls):
+        if forget:
+            recent.forget(rollout)
+        else:
+            recent.add(rollout, n, ids(size), body=body, reply=body[:10])
+        assert recent.nbytes == kept_bytes(recent) <= max_bytes
+        for r in list(recent._calls):
+            entries = recent.entries(r)
+            assert len(entries) <= 3
+            assert all(c.body is None and not c.reply for c in entries[:-2])
+
+
+def test_least_recently_used_rollouts_go_first():
+    one = RecentCall(0, ids(1000)).nbytes
+    recent = RecentCalls(3 * one)
+    for rollout in "abc":
+        recent.add(rollout, 0, ids(1000))
+    recent.get("a")  # used: now the newest
+    recent.add("d", 0, ids(1000))
+    assert recent.get("b") is None
+    assert [r for r in "acd" if recent.get(r)] == ["a", "c", "d"]
+    assert recent.find("a", 0).full.size == 1000 and recent.find("a", 1) is None
+
+
+def test_a_zero_bound_keeps_nothing():
+    recent = RecentCalls(0)
+    recent.add("a", 0, ids(10), body=b"{}")
+    recent.load("b", [(1, ids(10))])
+    assert recent.get("a") is None and recent.get("b") is None and recent.nbytes == 0
