@@ -213,6 +213,20 @@ async def get_policy(request: web.Request) -> web.Response:
     )
 
 
+@routes.get("/admin/backlog")
+async def get_backlog(request: web.Request) -> web.Response:
+    """How far a runner's run is ahead of training, so it can wait for the trainer instead of
+    producing samples that will be stale when they are trained (`rolltap rollouts
+    --max-backlog`)."""
+    svc = _services(request)
+    run_id = request.query.get("run_id", "")
+    if not run_id or "\x00" in run_id:
+        raise GatewayError(400, "give the run: GET /admin/backlog?run_id=RUN", param="run_id")
+    async with svc.pool.acquire() as conn:
+        running, untrained = await rollouts_store.backlog(conn, run_id)
+    return _json({"run_id": run_id, "running": running, "untrained": untrained})
+
+
 @routes.get("/admin/rollouts/{rollout_id}/traces")
 async def get_traces(request: web.Request) -> web.Response:
     svc = _services(request)

@@ -92,6 +92,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="groups per task (default 1)")
     run.add_argument("--concurrency", type=int, default=4, metavar="C",
                      help="sandboxes running at once (default 4)")
+    run.add_argument("--max-backlog", type=int, metavar="N",
+                     help="with a trainer bridge running: start a rollout only while this "
+                          "run's rollouts in flight plus those waiting to be trained are fewer "
+                          "than N (at least the group size), so samples do not go stale while "
+                          "the runner races ahead of training (default: no limit)")
     run.add_argument("--state", metavar="FILE",
                      help="JSONL of finished rollouts; rerun with the same file to resume")
     run.add_argument("--crash-reward", choices=["zero", "null", "verify"], default="zero",
@@ -280,7 +285,7 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
         tasks, harness, gateway=args.gateway, admin_key=admin_key,
         group_size=args.group_size, backend=backend, concurrency=args.concurrency,
         repeat=args.repeat, state_path=args.state, crash_reward=args.crash_reward, stop=stop,
-        on_finished=finished, on_error=failed,
+        on_finished=finished, on_error=failed, max_backlog=args.max_backlog,
     )
     records = list(report.finished)
     if args.state:
@@ -295,6 +300,9 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
     print(isolation_line(records, args.isolation))
     if report.skipped:
         print(f"({report.skipped} rollouts were finished by an earlier run of this state file)")
+    if args.max_backlog is not None:
+        print(f"waited {report.waited_for_trainer_s:.0f} s for the trainer (--max-backlog "
+              f"{args.max_backlog})")
     if report.interrupted:
         left = report.total - len(records)
         resume = f"; rerun with --state {args.state} to do them" if args.state else ""
@@ -367,6 +375,11 @@ def main(args: argparse.Namespace) -> int:
                                         ("--group-size", args.group_size)) if value is None]
     if missing:
         print(f"rolltap rollouts: give {', '.join(missing)} (or --probe)", file=sys.stderr)
+        return 2
+    if args.max_backlog is not None and args.max_backlog < args.group_size:
+        print(f"rolltap rollouts: --max-backlog ({args.max_backlog}) must be at least "
+              f"--group-size ({args.group_size}): a bridge trains whole groups",
+              file=sys.stderr)
         return 2
     try:
         tasks = load_tasks(args.tasks)

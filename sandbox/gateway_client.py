@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlencode
 
 import aiohttp
 import msgspec
@@ -56,6 +57,12 @@ class FinishReply(msgspec.Struct, frozen=True):
     status: str
     reward: float | None = None
     merge: Any = None
+
+
+class Backlog(msgspec.Struct, frozen=True):
+    run_id: str
+    running: int
+    untrained: int  # ended, not yet consumed (or put aside) by a trainer bridge
 
 
 Method = Literal["GET", "POST"]
@@ -134,6 +141,10 @@ class AdminClient:
         body = {"reward": reward, "status": status, "metrics": metrics}
         path = f"/admin/rollouts/{rollout_id}/finish"
         return await self._call("POST", path, body, FinishReply)
+
+    async def backlog(self, run_id: str) -> Backlog:
+        path = f"/admin/backlog?{urlencode({'run_id': run_id})}"
+        return await self._call("GET", path, None, Backlog)
 
     async def get_rollout(self, rollout_id: str) -> RolloutInfo:
         return await self._call("GET", f"/admin/rollouts/{rollout_id}", None, RolloutInfo)

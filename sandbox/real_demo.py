@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="sandboxes at once (default 6)")
     real.add_argument("--pi-rollouts", type=int, default=2,
                       help="rollouts of the Pi harness CLI at the end (default 2; 0 skips)")
+    real.add_argument("--max-backlog", type=int, default=None, metavar="N",
+                      help="rollouts the runner may be ahead of training (default two groups: "
+                      "one trained while the next plays)")
     real.add_argument("--seed", type=int, default=0, help="trainer seed (default 0)")
     real.add_argument("--train-minutes", type=float, default=None, metavar="M",
                       help="stop training after M minutes even if steps remain, then evaluate "
@@ -121,7 +124,8 @@ def _harness(preset: str, **extra):
 
 
 async def _rollouts(tasks, harness, gateway: str, admin_key: str, run_id: str, state: Path, *,
-                    group_size: int, concurrency: int, repeat: int = 1, stop=None, quiet=False):
+                    group_size: int, concurrency: int, repeat: int = 1, stop=None, quiet=False,
+                    max_backlog: int | None = None):
     """Run rollouts with the sandbox runner under a run id of ours (so the bridge can select
     them by it); returns the runner's report."""
     from sandbox.backends.local import LocalBackend
@@ -139,7 +143,7 @@ async def _rollouts(tasks, harness, gateway: str, admin_key: str, run_id: str, s
     return await run_rollouts(
         tasks, harness, gateway=gateway, admin_key=admin_key, group_size=group_size,
         backend=LocalBackend(), concurrency=concurrency, repeat=repeat, state_path=str(state),
-        stop=stop, on_finished=show)
+        stop=stop, on_finished=show, max_backlog=max_backlog)
 
 
 class _Player(threading.Thread):
@@ -237,7 +241,7 @@ def _train(args, ctx: dict, train, heldout, evaluations: list[Evaluation]) -> li
                      admin_key=ctx["admin_key"], run_id=run_id,
                      state=workdir / f"{run_id}.jsonl", group_size=args.group_size,
                      concurrency=args.concurrency, repeat=max(1, groups // len(train)),
-                     quiet=True)
+                     quiet=True, max_backlog=args.max_backlog or 2 * args.group_size)
     player.start()
     progress, entries, next_eval = out_dir / "progress.jsonl", [], args.eval_every
     deadline = time.monotonic() + 60 * args.train_minutes if args.train_minutes else None

@@ -11,11 +11,18 @@ Setting `stop` (the CLI does on SIGINT/SIGTERM) starts nothing new, kills the sa
 flight and finishes their rollouts as failed with `metrics.interrupted`; they are not in the
 state file, so a resumed run does them again. The admin key stays in this process; the state
 file is among the paths a sandbox hides from its agent.
+
+With `max_backlog`, the runner stays at most that many rollouts ahead of training: a rollout
+starts only while the run's rollouts in flight plus those ended but not yet consumed by a
+trainer bridge (GET /admin/backlog) are fewer. Samples then wait for the trainer for at most
+about max_backlog / group_size optimizer steps, instead of growing stale while the runner races
+ahead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
@@ -33,6 +40,7 @@ from sandbox.tasks import Task
 
 # Time the gateway gives a rollout beyond the task's own timeouts before it calls it timed out.
 GATEWAY_MARGIN_S = 120.0
+BACKLOG_POLL_S = 1.0  # how often a full backlog is looked at again
 INTERRUPT_FINISH_TIMEOUT_S = 10.0
 
 
@@ -63,6 +71,7 @@ class RunReport(msgspec.Struct):
     errors: list[ItemError]
     interrupted: bool = False
     max_in_flight: int = 0
+    waited_for_trainer_s: float = 0.0  # with max_backlog
 
 
 class Progress(msgspec.Struct, frozen=True):
@@ -140,6 +149,7 @@ class _Run:
         crash_reward: CrashReward,
         stop: asyncio.Event,
         total: int,
+        max_backlog: int | None,
         on_finished: Callable[[FinishedRollout, Progress], None] | None,
         on_error: Callable[[ItemError, Progress], None] | None,
     ) -> None:
@@ -155,6 +165,9 @@ class _Run:
         self.finished: list[FinishedRollout] = []
         self.errors: list[ItemError] = []
         self.completing: set[asyncio.Future] = set()
+        self.max_backlog = max_backlog
+        self.admitting = asyncio.Lock()  # one worker at a time counts and takes a place
+        self.waited_s = 0.0  # time spent waiting for the trainer (max_backlog)
 
     def progress(self) -> Progress:
         return Progress(self.done, self.total, self.sandboxes)
@@ -197,12 +210,28 @@ class _Run:
             await asyncio.gather(*workers, return_exceptions=True)
             await asyncio.gather(*self.completing, return_exceptions=True)
 
-    async def worker(self, queue) -> None:
-        for item in queue:
+    async def admit(self) -> bool:
+        """Takes a place for one more rollout, first waiting for the trainer while the backlog
+        is full (with max_backlog); False once the run is stopped."""
+        async with self.admitting:
+            started = time.monotonic()
+            while self.max_backlog is not None and not self.stop.is_set():
+                backlog = await self.admin.backlog(self.run_id)
+                if self.in_flight + backlog.untrained < self.max_backlog:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), BACKLOG_POLL_S)
+            self.waited_s += time.monotonic() - started
             if self.stop.is_set():
-                return
+                return False
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            return True
+
+    async def worker(self, queue) -> None:
+        for item in queue:
+            if not await self.admit():
+                return
             try:
                 await self.one(item)
             finally:
@@ -275,10 +304,15 @@ async def run_rollouts(
     stop: asyncio.Event | None = None,
     on_finished: Callable[[FinishedRollout, Progress], None] | None = None,
     on_error: Callable[[ItemError, Progress], None] | None = None,
+    max_backlog: int | None = None,
 ) -> RunReport:
     """Run every (task, repeat, member) rollout not already in the state file."""
     if group_size < 1 or repeat < 1 or concurrency < 1:
         raise ValueError("group_size, repeat and concurrency must be at least 1")
+    if max_backlog is not None and max_backlog < group_size:
+        # A bridge trains whole groups: a smaller backlog could never complete one.
+        raise ValueError(f"max_backlog ({max_backlog}) must be at least the group size "
+                         f"({group_size})")
     state = StateFile(state_path) if state_path else None
     header, done = state.load() if state else (None, {})
     if header is None:
@@ -290,7 +324,7 @@ async def run_rollouts(
     async with AdminClient(gateway, admin_key) as admin:
         run = _Run(admin, harness, backend, run_id=header.run_id, state=state,
                    crash_reward=crash_reward, stop=stop, total=len(items),
-                   on_finished=on_finished, on_error=on_error)
+                   max_backlog=max_backlog, on_finished=on_finished, on_error=on_error)
         await run.execute(items, concurrency)
     return RunReport(
         run_id=header.run_id,
@@ -300,6 +334,7 @@ async def run_rollouts(
         errors=run.errors,
         interrupted=stop.is_set(),
         max_in_flight=run.max_in_flight,
+        waited_for_trainer_s=run.waited_s,
     )
 
 

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from sandbox.backends.base import RolloutAccess, SandboxRequest
 from sandbox.backends.local import LocalBackend
@@ -92,3 +93,66 @@ def test_opencode_runs_an_example_task_end_to_end(gateway, vllm_server, tmp_path
     assert all(c["prompt_ids"] and len(c["logprobs"]) == len(c["completion_ids"]) > 0
                for c in calls)
     assert state["merge"]["stats"]["lost_tokens"] == 0
+
+
+def test_runner_stays_within_its_backlog_of_untrained_rollouts(gateway, vllm_server,
+                                                               database_url, tmp_path):
+    """With max_backlog 2, a rollout starts only while the run's rollouts in flight plus those
+    waiting to be trained are fewer than 2. The test plays the trainer: it consumes each ended
+    rollout a while after it ends, as a bridge would after its optimizer step."""
+    import asyncpg
+
+    from sandbox.state import RunHeader, StateFile
+
+    tasks = load_tasks(TASKS)[:1]
+    harness = Harness(preset="python", model=vllm_server.model,
+                      agent="sandbox.agents.scripted:run")
+    run_id = f"backlog-{tmp_path.name}"
+    state = tmp_path / "state.jsonl"
+    StateFile(state).append(RunHeader(run_id=run_id, created=0.0))
+    mine = "metadata @> jsonb_build_object('run_id', $1::text)"
+
+    async def play():
+        conn = await asyncpg.connect(database_url)
+        done = asyncio.Event()
+
+        async def trainer():
+            while not done.is_set():
+                await asyncio.sleep(1.5)
+                await conn.execute(
+                    f"UPDATE rollouts SET consumed_at = now() WHERE {mine}"
+                    " AND status <> 'running' AND consumed_at IS NULL", run_id)
+
+        consuming = asyncio.ensure_future(trainer())
+        try:
+            report = await run_rollouts(
+                tasks, harness, gateway=gateway.url, admin_key=ADMIN_KEY, group_size=2,
+                repeat=3, backend=LocalBackend(root=tmp_path), concurrency=4,
+                state_path=str(state), max_backlog=2)
+        finally:
+            done.set()
+            await consuming
+        rows = await conn.fetch(f"SELECT created_at, consumed_at FROM rollouts WHERE {mine}",
+                                run_id)
+        await conn.close()
+        return report, rows
+
+    report, rows = asyncio.run(play())
+    assert len(report.finished) == 6 and report.errors == [], report.errors
+    assert report.max_in_flight == 2 and report.waited_for_trainer_s > 0
+    # At every rollout's start, at most 2 of the run's rollouts were started and not consumed.
+    for row in rows:
+        started = row["created_at"]
+        open_then = [r for r in rows if r["created_at"] <= started
+                     and (r["consumed_at"] is None or r["consumed_at"] > started)]
+        assert len(open_then) <= 2, (started, open_then)
+
+    with pytest.raises(ValueError, match="at least the group size"):
+        asyncio.run(run_rollouts(tasks, harness, gateway=gateway.url, admin_key=ADMIN_KEY,
+                                 group_size=2, backend=LocalBackend(root=tmp_path),
+                                 max_backlog=1))
+    # The endpoint the runner polls: the run is named, or the caller is told how to.
+    assert gateway.admin.get("/admin/backlog", params={"run_id": run_id}).json() == {
+        "run_id": run_id, "running": 0, "untrained": 0}
+    missing = gateway.admin.get("/admin/backlog")
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "run_id"

@@ -19,6 +19,19 @@ def identity(row) -> dict:
     }
 
 
+async def backlog(conn: asyncpg.Connection, run_id: str) -> tuple[int, int]:
+    """(running, untrained) rollouts of a runner's run: untrained ones ended but no bridge has
+    consumed or put them aside yet."""
+    row = await conn.fetchrow(
+        "SELECT count(*) FILTER (WHERE status = 'running') AS running,"
+        " count(*) FILTER (WHERE status <> 'running' AND consumed_at IS NULL"
+        "                  AND quarantined_at IS NULL) AS untrained"
+        " FROM rollouts WHERE metadata @> jsonb_build_object('run_id', $1::text)",
+        run_id,
+    )
+    return row["running"], row["untrained"]
+
+
 async def create(
     conn: asyncpg.Connection,
     rollout_id: UUID,
