@@ -32,10 +32,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from gateway.protocols import segments
-from gateway.protocols.errors import GatewayError, bad_request
+from gateway.protocols.errors import GatewayError, bad_request, text_only
 from gateway.protocols.normalize import normalize_messages
 from gateway.protocols.segments import Accumulator, Segment
-from gateway.protocols.tools import check_object_schema
+from gateway.protocols.tools import chat_tool, chat_tool_choice, check_unique_names
 
 NAME = "anthropic"
 UPSTREAM_PATH = "/v1/chat/completions"
@@ -232,10 +232,7 @@ def _tool_result_text(block: ToolResultBlock, path: str) -> str:
 
 
 def _text_only(block: Block, path: str) -> GatewayError:
-    kind = "image" if isinstance(block, ImageBlock) else "document"
-    return bad_request(
-        f"{path}: {kind} content is not supported: the served model is text-only", param=path
-    )
+    return text_only("image" if isinstance(block, ImageBlock) else "document", path)
 
 
 def _misplaced(block: Block, role: str, path: str) -> GatewayError:
@@ -387,7 +384,6 @@ def _chat_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     if not tools:
         return None
     out = []
-    seen: set[str] = set()
     for i, tool in enumerate(tools):
         path = f"tools.{i}"
         if tool.type not in (None, "custom"):
@@ -398,24 +394,18 @@ def _chat_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
             )
         if not tool.name:
             raise bad_request(f"{path}.name: must not be empty", param=f"{path}.name")
-        if tool.name in seen:
-            raise bad_request(
-                f"{path}.name: tool names must be unique; {tool.name!r} repeats",
-                param=f"{path}.name",
-            )
-        seen.add(tool.name)
-        schema = tool.input_schema
-        if schema is None:
+        if tool.input_schema is None:
             raise bad_request(f"{path}.input_schema: Field required", param=f"{path}.input_schema")
-        check_object_schema(schema, f"{path}.input_schema")
-        function: dict[str, Any] = {"name": tool.name, "parameters": schema}
-        if tool.description is not None:
-            function["description"] = tool.description
-        if tool.strict is not None:
-            # Anthropic's strict tool use; vLLM then holds the arguments to the schema.
-            function["strict"] = tool.strict
-        out.append({"type": "function", "function": function})
+        out.append(
+            chat_tool(
+                tool.name, tool.input_schema, tool.description, tool.strict, f"{path}.input_schema"
+            )
+        )
+    check_unique_names(out, lambda i: f"tools.{i}.name")
     return out
+
+
+_CHOICE_MODE = {"auto": "auto", "none": "none", "any": "required", "tool": "function"}
 
 
 def _chat_tool_choice(
@@ -424,24 +414,12 @@ def _chat_tool_choice(
     """(chat tool_choice, parallel_tool_calls)."""
     if choice is None:
         return None, None
-    parallel = False if getattr(choice, "disable_parallel_tool_use", None) else None
-    if isinstance(choice, (ToolChoiceAuto, ToolChoiceNone)):
-        if not tools:
-            return None, None
-        return ("auto" if isinstance(choice, ToolChoiceAuto) else "none"), parallel
-    if not tools:
-        raise bad_request(
-            f"tool_choice: type {choice.__struct_config__.tag!r} needs tools",
-            param="tool_choice",
-        )
-    if isinstance(choice, ToolChoiceAny):
-        return "required", parallel
-    if choice.name not in {tool["function"]["name"] for tool in tools}:
-        raise bad_request(
-            f"tool_choice.name: no tool named {choice.name!r} in tools",
-            param="tool_choice.name",
-        )
-    return {"type": "function", "function": {"name": choice.name}}, parallel
+    tag = choice.__struct_config__.tag
+    name = getattr(choice, "name", None)
+    chat = chat_tool_choice(_CHOICE_MODE[tag], name, tools, f"type {tag!r}")
+    if chat is None:
+        return None, None
+    return chat, False if getattr(choice, "disable_parallel_tool_use", None) else None
 
 
 def _parse(raw: bytes, body_type: type[CountTokensBody]) -> Request:

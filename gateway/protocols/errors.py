@@ -31,3 +31,12 @@ class GatewayError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, "invalid_request_error", param=param)
+
+
+def text_only(kind: str, path: str, param: str | None = None) -> GatewayError:
+    """`kind` content (image, document, audio...) at `path` of the request: refused, with a
+    message that says why, because the served models read text only."""
+    return bad_request(
+        f"{path}: {kind} content is not supported: the served model is text-only",
+        param=param or path,
+    )

@@ -26,10 +26,10 @@ from typing import Any, Literal
 import msgspec
 
 from gateway.protocols import segments
-from gateway.protocols.errors import GatewayError, bad_request
+from gateway.protocols.errors import GatewayError, bad_request, text_only
 from gateway.protocols.openai_common import render_error
 from gateway.protocols.segments import Accumulator, Segment
-from gateway.protocols.tools import check_object_schema
+from gateway.protocols.tools import chat_tool, chat_tool_choice, check_unique_names
 
 NAME = "responses"
 UPSTREAM_PATH = "/v1/chat/completions"
@@ -253,17 +253,8 @@ def parse_request(raw: bytes) -> Request:
 
 def _function_tool(obj: dict, path: str, namespace: str | None = None) -> dict:
     fn = _convert(obj, _FunctionTool, path)
-    if fn.parameters is not None:
-        check_object_schema(fn.parameters, f"{path}.parameters")
     name = fn.name if namespace is None else namespace + _NS_SEP + fn.name
-    spec: dict[str, Any] = {"name": name}
-    if fn.description is not None:
-        spec["description"] = fn.description
-    if fn.parameters is not None:
-        spec["parameters"] = fn.parameters
-    if fn.strict is not None:
-        spec["strict"] = fn.strict
-    return {"type": "function", "function": spec}
+    return chat_tool(name, fn.parameters, fn.description, fn.strict, f"{path}.parameters")
 
 
 def _tool_kind(obj: dict, path: str, allowed: str) -> str:
@@ -303,10 +294,8 @@ def _tools(raw: list[dict]) -> tuple[list[dict], dict[str, tuple[str, str]], lis
             dropped.append(kind)
         else:
             raise bad_request(f"'{path}': unknown tool type {kind!r}", param=f"{path}.type")
-    names = [t["function"]["name"] for t in chat]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise bad_request(f"tool name {dup!r} is declared more than once", param="tools")
+    # Namespaced names are only unique once flattened, so the field named is the whole list.
+    check_unique_names(chat, lambda i: "tools")
     return chat, namespaced, dropped
 
 
@@ -318,24 +307,14 @@ def _tool_choice(choice: str | dict, chat_tools: list[dict]) -> str | dict | Non
                 f"'tool_choice' must be 'auto', 'none', 'required' or a function, not {choice!r}",
                 param="tool_choice",
             )
-        if choice == "required" and not chat_tools:
-            raise bad_request(
-                "tool_choice 'required' needs at least one function tool", param="tool_choice"
-            )
-        return choice if chat_tools else None
+        return chat_tool_choice(choice, None, chat_tools, repr(choice))
     if choice.get("type") != "function":
         raise bad_request(
             f"tool_choice of type {choice.get('type')!r} is not supported; use 'auto', 'none', "
             "'required' or {'type': 'function', 'name': ...}",
             param="tool_choice.type",
         )
-    name = choice.get("name")
-    if not any(t["function"]["name"] == name for t in chat_tools):
-        raise bad_request(
-            f"tool_choice names function {name!r}, which is not among the function tools",
-            param="tool_choice.name",
-        )
-    return {"type": "function", "function": {"name": name}}
+    return chat_tool_choice("function", choice.get("name"), chat_tools, "a function")
 
 
 # -- items to messages ---------------------------------------------------------------------------
@@ -349,12 +328,7 @@ def _text(parts: str | list, path: str, join: str | None) -> str | list[dict] | 
     texts = []
     for j, p in enumerate(parts):
         if not isinstance(p, (InputText, OutputText)):
-            kind = type(p).__name__
-            raise bad_request(
-                f"'{path}[{j}]': {kind} content is not supported; this gateway serves text-only "
-                "models",
-                param=f"{path}[{j}].type",
-            )
+            raise text_only(p.__struct_config__.tag, f"{path}[{j}]", f"{path}[{j}].type")
         texts.append(p.text)
     if join is not None:
         return join.join(texts)
