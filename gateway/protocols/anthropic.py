@@ -34,7 +34,7 @@ import msgspec
 from gateway.protocols import segments
 from gateway.protocols.errors import GatewayError, bad_request, text_only
 from gateway.protocols.normalize import normalize_messages
-from gateway.protocols.segments import Accumulator, Segment
+from gateway.protocols.segments import REASONING, TEXT, TOOL_CALL, Accumulator, Segment
 from gateway.protocols.tools import chat_tool, chat_tool_choice, check_unique_names
 
 NAME = "anthropic"
@@ -526,9 +526,9 @@ def _tool_input(arguments: str) -> dict[str, Any]:
 
 def _block(seg: Segment) -> dict[str, Any]:
     """The content block of `seg` as a whole response holds it."""
-    if seg.kind == segments.REASONING:
+    if seg.kind == REASONING:
         return {"type": "thinking", "thinking": seg.text(), "signature": ""}
-    if seg.kind == segments.TEXT:
+    if seg.kind == TEXT:
         return {"type": "text", "text": seg.text()}
     return {
         "type": "tool_use",
@@ -570,8 +570,8 @@ def _frame(event: bytes, data: dict[str, Any]) -> bytes:
 _PING = _frame(b"ping", {"type": "ping"})
 _MESSAGE_STOP = _frame(b"message_stop", {"type": "message_stop"})
 _EMPTY_BLOCK = {
-    segments.REASONING: {"type": "thinking", "thinking": "", "signature": ""},
-    segments.TEXT: {"type": "text", "text": ""},
+    REASONING: {"type": "thinking", "thinking": "", "signature": ""},
+    TEXT: {"type": "text", "text": ""},
 }
 
 
@@ -620,7 +620,7 @@ class Stream(segments.Sink):
         self._close_block()
         self._index += 1
         self._open = seg
-        if seg.kind == segments.TOOL_CALL:
+        if seg.kind == TOOL_CALL:
             block = {
                 "type": "tool_use",
                 "id": seg.call_id or _new_id("toolu_"),
@@ -638,15 +638,16 @@ class Stream(segments.Sink):
 
     def delta(self, seg: Segment, text: str) -> None:
         if seg is not self._open:
-            if seg.kind == segments.TOOL_CALL:
+            if seg.kind == TOOL_CALL:
                 # Blocks cannot interleave; vLLM's parsers finish one call before the next.
                 raise GatewayError(
                     502, "upstream interleaved the arguments of two tool calls", "upstream_error"
                 )
             self.start(seg)  # text after the finish: a block of its own
-        if seg.kind == segments.TEXT:
+        kind = seg.kind
+        if kind == TEXT:
             delta = {"type": "text_delta", "text": text}
-        elif seg.kind == segments.REASONING:
+        elif kind == REASONING:
             delta = {"type": "thinking_delta", "thinking": text}
         else:
             delta = {"type": "input_json_delta", "partial_json": text}

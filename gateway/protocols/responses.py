@@ -28,7 +28,7 @@ import msgspec
 from gateway.protocols import segments
 from gateway.protocols.errors import GatewayError, bad_request, text_only
 from gateway.protocols.openai_common import render_error
-from gateway.protocols.segments import Accumulator, Segment
+from gateway.protocols.segments import REASONING, TEXT, TOOL_CALL, Accumulator, Segment
 from gateway.protocols.tools import chat_tool, chat_tool_choice, check_unique_names
 
 NAME = "responses"
@@ -505,7 +505,7 @@ def conversation_items(
 
 # -- response objects: a mapping of the engine's output segments (see segments.py) -------------
 
-_PREFIX = {segments.REASONING: "rs", segments.TEXT: "msg", segments.TOOL_CALL: "fc"}
+_PREFIX = {REASONING: "rs", TEXT: "msg", TOOL_CALL: "fc"}
 
 
 def _item_id(ctx: Context, prefix: str, index: int) -> str:
@@ -516,7 +516,7 @@ def _item(ctx: Context, seg: Segment, status: str) -> dict:
     """The output item of `seg` as the response object holds it."""
     item_id = _item_id(ctx, _PREFIX[seg.kind], seg.index)
     text = seg.text()
-    if seg.kind == segments.TEXT:
+    if seg.kind == TEXT:
         return {
             "id": item_id,
             "type": "message",
@@ -524,7 +524,7 @@ def _item(ctx: Context, seg: Segment, status: str) -> dict:
             "status": status,
             "content": [{"type": "output_text", "text": text, "annotations": []}],
         }
-    if seg.kind == segments.REASONING:
+    if seg.kind == REASONING:
         return {
             "id": item_id,
             "type": "reasoning",
@@ -627,16 +627,17 @@ def from_upstream(resp: dict, ctx: Context) -> bytes:
 # -- streaming -----------------------------------------------------------------------------------
 
 _DELTA = {
-    segments.REASONING: "response.reasoning_text.delta",
-    segments.TEXT: "response.output_text.delta",
+    REASONING: "response.reasoning_text.delta",
+    TEXT: "response.output_text.delta",
+    TOOL_CALL: "response.function_call_arguments.delta",
 }
 _DONE = {
-    segments.REASONING: "response.reasoning_text.done",
-    segments.TEXT: "response.output_text.done",
+    REASONING: "response.reasoning_text.done",
+    TEXT: "response.output_text.done",
 }
 _ADDED = {
-    segments.REASONING: ("reasoning", {"type": "reasoning_text", "text": ""}),
-    segments.TEXT: ("message", {"type": "output_text", "text": "", "annotations": []}),
+    REASONING: ("reasoning", {"type": "reasoning_text", "text": ""}),
+    TEXT: ("message", {"type": "output_text", "text": "", "annotations": []}),
 }
 
 
@@ -670,13 +671,13 @@ class Stream(segments.Sink):
     def start(self, seg: Segment) -> None:
         item_id = _item_id(self._ctx, _PREFIX[seg.kind], seg.index)
         self._ids.append(item_id)
-        if seg.kind == segments.TOOL_CALL:
+        if seg.kind == TOOL_CALL:
             added = _item(self._ctx, seg, "in_progress")
             self._event("response.output_item.added", {"output_index": seg.index, "item": added})
             return
         kind, part = _ADDED[seg.kind]
         added = {"id": item_id, "type": kind, "status": "in_progress", "content": []}
-        if seg.kind == segments.TEXT:
+        if seg.kind == TEXT:
             added["role"] = "assistant"
         else:
             added["summary"] = []
@@ -687,31 +688,40 @@ class Stream(segments.Sink):
         )
 
     def delta(self, seg: Segment, text: str) -> None:
-        where = {"item_id": self._ids[seg.index], "output_index": seg.index}
-        if seg.kind == segments.TOOL_CALL:
-            self._event("response.function_call_arguments.delta", {**where, "delta": text})
-            return
-        fields = {**where, "content_index": 0, "delta": text}
-        if seg.kind == segments.TEXT:
-            fields["logprobs"] = []
-        self._event(_DELTA[seg.kind], fields)
+        # The per-chunk event: one dict, built in its final key order.
+        kind, index = seg.kind, seg.index
+        seq = self._seq
+        self._seq = seq + 1
+        name = _DELTA[kind]
+        payload = {
+            "type": name,
+            "sequence_number": seq,
+            "item_id": self._ids[index],
+            "output_index": index,
+        }
+        if kind != TOOL_CALL:
+            payload["content_index"] = 0
+        payload["delta"] = text
+        if kind == TEXT:
+            payload["logprobs"] = []
+        self._out.append(b"event: %s\ndata: %s\n\n" % (name.encode(), _encode(payload)))
 
     def end(self, seg: Segment) -> None:
-        if seg.kind != segments.TOOL_CALL:
+        if seg.kind != TOOL_CALL:
             self._close_item(seg, "completed")
 
     def _close_item(self, seg: Segment, status: str) -> None:
         self._closed.add(seg.index)
         final = _item(self._ctx, seg, status)
         where = {"item_id": final["id"], "output_index": seg.index}
-        if seg.kind == segments.TOOL_CALL:
+        if seg.kind == TOOL_CALL:
             self._event(
                 "response.function_call_arguments.done", {**where, "arguments": final["arguments"]}
             )
         else:
             part = final["content"][0]
             done = {**where, "content_index": 0, "text": part["text"]}
-            if seg.kind == segments.TEXT:
+            if seg.kind == TEXT:
                 done["logprobs"] = []
             self._event(_DONE[seg.kind], done)
             self._event("response.content_part.done", {**where, "content_index": 0, "part": part})
