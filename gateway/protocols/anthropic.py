@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from gateway.protocols import segments
-from gateway.protocols.errors import GatewayError, bad_request, text_only
+from gateway.protocols.errors import GatewayError, bad_request, invalid_field, text_only
 from gateway.protocols.normalize import normalize_messages
 from gateway.protocols.segments import REASONING, TEXT, TOOL_CALL, Accumulator, Segment
 from gateway.protocols.tools import chat_tool, chat_tool_choice, check_unique_names
@@ -179,23 +179,18 @@ def _new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-_MSGSPEC_PATH = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.DOTALL)
 _PATH_INDEX = re.compile(r"\[(\d+)\]")
-_MISSING_FIELD = re.compile(r"^Object missing required field `(.*)`$")
 _BAD_TAG = re.compile(r"^Invalid value (.*)$")
 
 
 def _decode_error(err: msgspec.DecodeError) -> GatewayError:
     """msgspec says `Expected int, got str - at $.messages[0].content`; Anthropic names fields
     `messages.0.content: ...`."""
-    match = _MSGSPEC_PATH.match(str(err))
-    assert match is not None  # the pattern matches any string
-    text, at = match.groups()
+    text, path, missing = invalid_field(err)
     if not isinstance(err, msgspec.ValidationError):
         return bad_request(f"request body is not valid JSON: {text}")
-    path = _PATH_INDEX.sub(r".\1", at or "").lstrip(".")
-    if missing := _MISSING_FIELD.match(text):
-        path = f"{path}.{missing[1]}".lstrip(".")
+    path = _PATH_INDEX.sub(r".\1", path).lstrip(".")
+    if missing:
         text = "Field required"
     elif path.endswith("type") and (bad := _BAD_TAG.match(text)):
         text = f"unknown type {bad[1]}"

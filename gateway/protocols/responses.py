@@ -18,7 +18,6 @@ Decisions (see the tests for each):
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import Any, Literal
@@ -26,7 +25,7 @@ from typing import Any, Literal
 import msgspec
 
 from gateway.protocols import segments
-from gateway.protocols.errors import GatewayError, bad_request, text_only
+from gateway.protocols.errors import GatewayError, bad_request, invalid_field, text_only
 from gateway.protocols.openai_common import render_error
 from gateway.protocols.segments import REASONING, TEXT, TOOL_CALL, Accumulator, Segment
 from gateway.protocols.tools import chat_tool, chat_tool_choice, check_unique_names
@@ -205,18 +204,10 @@ class Context(msgspec.Struct):
 
 # -- validation helpers --------------------------------------------------------------------------
 
-_MISSING = re.compile(r"Object missing required field `([^`]+)`")
-
-
 def _invalid(exc: msgspec.ValidationError, root: str = "") -> GatewayError:
     """msgspec's message with its `$`-path turned into the request field it names."""
-    msg, sep, at = str(exc).partition(" - at `$")
-    path = root + (at[:-1] if sep else "")
-    missing = _MISSING.match(msg)
-    if missing:
-        path = f"{path}.{missing[1]}"
-    path = path.lstrip(".")
-    return bad_request(f"invalid '{path}': {msg}" if path else msg, param=path or None)
+    text, path, _ = invalid_field(exc, root)
+    return bad_request(f"invalid '{path}': {text}" if path else text, param=path or None)
 
 
 def _convert(obj: Any, typ: Any, root: str) -> Any:
