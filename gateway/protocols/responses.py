@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Collection
 from typing import Any, Literal
 
 import msgspec
@@ -539,7 +540,7 @@ def _item(ctx: Context, seg: Segment, status: str) -> dict:
 
 
 def _output(
-    ctx: Context, acc: Accumulator, cut: str, rest: str, closed: set[int] | frozenset = frozenset()
+    ctx: Context, acc: Accumulator, cut: str, rest: str, closed: Collection[int] = ()
 ) -> list[dict]:
     """Every item in its final form. Items not `closed` yet close as `cut` if last (the one
     being generated when the output stopped), else as `rest`."""
