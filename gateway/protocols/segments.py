@@ -166,9 +166,6 @@ class Accumulator:
             seg.parts.append(arguments)
             sink.delta(seg, arguments)
 
-    def has_calls(self) -> bool:
-        return bool(self._calls)
-
     def finish_reason(self) -> str | None:
         """The neutral reason the output ended (STOP while no reason came yet), or None for an
         engine reason no protocol can express (`raw_finish` says which)."""
