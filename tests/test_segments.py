@@ -375,3 +375,26 @@ def test_anthropic_refuses_an_engine_finish_it_cannot_express():
     with pytest.raises(GatewayError) as caught:
         stream.close()
     assert caught.value.status == 502 and "abort" in caught.value.message
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_responses_failure_at_any_point_never_completes_a_call(data):
+    """A stream cut anywhere: the items closed so far stay completed, the rest are incomplete,
+    and no function call is announced done (a harness would run it)."""
+    gen = data.draw(generations())
+    chunks = data.draw(streams(gen))
+    cut = data.draw(st.integers(0, len(chunks)))
+    ctx = responses.to_upstream(
+        responses.parse_request(msgspec.json.encode({"model": "tiny", "input": "hi"}))
+    )[1]
+    stream = responses.Stream(ctx)
+    fed = b"".join(stream.feed(c) for c in chunks[:cut])
+    events = _sse(fed + stream.fail(GatewayError(502, "upstream stream broke", "upstream_error")))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    done = {e["output_index"] for e in events if e["type"] == "response.output_item.done"}
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed"
+    for k, item in enumerate(failed["output"]):
+        assert item["status"] == ("completed" if k in done else "incomplete")
+        assert not (k in done and item["type"] == "function_call")
