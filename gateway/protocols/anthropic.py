@@ -499,9 +499,7 @@ def _stop(acc: Accumulator, ctx: Context) -> tuple[str, str | None]:
         if isinstance(acc.matched, str) and acc.matched in ctx.stop_sequences:
             return "stop_sequence", acc.matched
         return "end_turn", None
-    raise GatewayError(
-        502, f"upstream finished with reason {acc.raw_finish!r}", "upstream_error"
-    )
+    raise GatewayError(502, f"upstream finished with reason {acc.raw_finish!r}", "upstream_error")
 
 
 def _output_tokens(acc: Accumulator) -> int:
@@ -701,6 +699,7 @@ class Stream(segments.Sink):
     def fail(self, err: GatewayError) -> bytes:
         _, body = _error_body(err)
         return _frame(b"error", body)
+
 
 # ---------------------------------------------------------------------------------------------
 # Errors

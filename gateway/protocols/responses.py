@@ -205,6 +205,7 @@ class Context(msgspec.Struct):
 
 # -- validation helpers --------------------------------------------------------------------------
 
+
 def _invalid(exc: msgspec.ValidationError, root: str = "") -> GatewayError:
     """msgspec's message with its `$`-path turned into the request field it names."""
     text, path, _ = invalid_field(exc, root)
@@ -763,6 +764,7 @@ class Stream(segments.Sink):
         )
         self._event("response.failed", {"response": resp})
         return self._flush()
+
 
 # -- stored conversation state (`previous_response_id`) ------------------------------------------
 # The core calls these two hooks for protocols that keep server-side conversation state.
