@@ -34,7 +34,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from bench import standin
+from bench import adapter_costs, standin
 from bench.bench_gateway import POSTGRES_URL, Gateway, admin_sql, cpu_times, free_port
 
 COMPLETION_STREAM = standin.DATA / "completion_stream.jsonl"  # vLLM's SSE `data:` payloads
@@ -375,6 +375,8 @@ def run(print_fn=print) -> dict:
         upstream.wait(10)
         admin_sql(f'DROP DATABASE IF EXISTS "{datname}" WITH (FORCE)')
     print_fn(format_table(rows))
+    print_fn("\nthe protocol adapters alone, in-process (bench/adapter_costs.py):")
+    rows["adapters"] = adapter_costs.run(print_fn)
     return rows
 
 

@@ -31,9 +31,11 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from gateway.protocols.errors import GatewayError, bad_request
+from gateway.protocols import segments
+from gateway.protocols.errors import GatewayError, bad_request, invalid_field, text_only
 from gateway.protocols.normalize import normalize_messages
-from gateway.protocols.tools import check_object_schema
+from gateway.protocols.segments import REASONING, TEXT, TOOL_CALL, Accumulator, Segment
+from gateway.protocols.tools import chat_tool, chat_tool_choice, check_unique_names
 
 NAME = "anthropic"
 UPSTREAM_PATH = "/v1/chat/completions"
@@ -177,23 +179,18 @@ def _new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-_MSGSPEC_PATH = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.DOTALL)
 _PATH_INDEX = re.compile(r"\[(\d+)\]")
-_MISSING_FIELD = re.compile(r"^Object missing required field `(.*)`$")
 _BAD_TAG = re.compile(r"^Invalid value (.*)$")
 
 
 def _decode_error(err: msgspec.DecodeError) -> GatewayError:
     """msgspec says `Expected int, got str - at $.messages[0].content`; Anthropic names fields
     `messages.0.content: ...`."""
-    match = _MSGSPEC_PATH.match(str(err))
-    assert match is not None  # the pattern matches any string
-    text, at = match.groups()
+    text, path, missing = invalid_field(err)
     if not isinstance(err, msgspec.ValidationError):
         return bad_request(f"request body is not valid JSON: {text}")
-    path = _PATH_INDEX.sub(r".\1", at or "").lstrip(".")
-    if missing := _MISSING_FIELD.match(text):
-        path = f"{path}.{missing[1]}".lstrip(".")
+    path = _PATH_INDEX.sub(r".\1", path).lstrip(".")
+    if missing:
         text = "Field required"
     elif path.endswith("type") and (bad := _BAD_TAG.match(text)):
         text = f"unknown type {bad[1]}"
@@ -230,10 +227,7 @@ def _tool_result_text(block: ToolResultBlock, path: str) -> str:
 
 
 def _text_only(block: Block, path: str) -> GatewayError:
-    kind = "image" if isinstance(block, ImageBlock) else "document"
-    return bad_request(
-        f"{path}: {kind} content is not supported: the served model is text-only", param=path
-    )
+    return text_only("image" if isinstance(block, ImageBlock) else "document", path)
 
 
 def _misplaced(block: Block, role: str, path: str) -> GatewayError:
@@ -385,7 +379,6 @@ def _chat_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     if not tools:
         return None
     out = []
-    seen: set[str] = set()
     for i, tool in enumerate(tools):
         path = f"tools.{i}"
         if tool.type not in (None, "custom"):
@@ -396,24 +389,18 @@ def _chat_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
             )
         if not tool.name:
             raise bad_request(f"{path}.name: must not be empty", param=f"{path}.name")
-        if tool.name in seen:
-            raise bad_request(
-                f"{path}.name: tool names must be unique; {tool.name!r} repeats",
-                param=f"{path}.name",
-            )
-        seen.add(tool.name)
-        schema = tool.input_schema
-        if schema is None:
+        if tool.input_schema is None:
             raise bad_request(f"{path}.input_schema: Field required", param=f"{path}.input_schema")
-        check_object_schema(schema, f"{path}.input_schema")
-        function: dict[str, Any] = {"name": tool.name, "parameters": schema}
-        if tool.description is not None:
-            function["description"] = tool.description
-        if tool.strict is not None:
-            # Anthropic's strict tool use; vLLM then holds the arguments to the schema.
-            function["strict"] = tool.strict
-        out.append({"type": "function", "function": function})
+        out.append(
+            chat_tool(
+                tool.name, tool.input_schema, tool.description, tool.strict, f"{path}.input_schema"
+            )
+        )
+    check_unique_names(out, lambda i: f"tools.{i}.name")
     return out
+
+
+_CHOICE_MODE = {"auto": "auto", "none": "none", "any": "required", "tool": "function"}
 
 
 def _chat_tool_choice(
@@ -422,24 +409,12 @@ def _chat_tool_choice(
     """(chat tool_choice, parallel_tool_calls)."""
     if choice is None:
         return None, None
-    parallel = False if getattr(choice, "disable_parallel_tool_use", None) else None
-    if isinstance(choice, (ToolChoiceAuto, ToolChoiceNone)):
-        if not tools:
-            return None, None
-        return ("auto" if isinstance(choice, ToolChoiceAuto) else "none"), parallel
-    if not tools:
-        raise bad_request(
-            f"tool_choice: type {choice.__struct_config__.tag!r} needs tools",
-            param="tool_choice",
-        )
-    if isinstance(choice, ToolChoiceAny):
-        return "required", parallel
-    if choice.name not in {tool["function"]["name"] for tool in tools}:
-        raise bad_request(
-            f"tool_choice.name: no tool named {choice.name!r} in tools",
-            param="tool_choice.name",
-        )
-    return {"type": "function", "function": {"name": choice.name}}, parallel
+    tag = choice.__struct_config__.tag
+    name = getattr(choice, "name", None)
+    chat = chat_tool_choice(_CHOICE_MODE[tag], name, tools, f"type {tag!r}")
+    if chat is None:
+        return None, None
+    return chat, False if getattr(choice, "disable_parallel_tool_use", None) else None
 
 
 def _parse(raw: bytes, body_type: type[CountTokensBody]) -> Request:
@@ -510,28 +485,29 @@ def count_tokens_response(tokenize_resp: dict[str, Any]) -> bytes:
 
 
 # ---------------------------------------------------------------------------------------------
-# Response side
+# Response side: a mapping of the engine's output segments (see segments.py)
 
 
-def _stop(
-    finish_reason: str | None, matched: Any, has_tool_use: bool, ctx: Context
-) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) from vLLM's finish_reason and its `stop_reason` (the stop
-    string that ended the output, a stop token id, or None)."""
-    if finish_reason == "length":
+def _stop(acc: Accumulator, ctx: Context) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence)."""
+    reason = acc.finish_reason()
+    if reason == segments.LENGTH:
         return "max_tokens", None
-    if has_tool_use or finish_reason == "tool_calls":
+    if reason == segments.TOOL_CALLS:
         return "tool_use", None
-    if finish_reason in ("stop", "repetition", None):
-        if isinstance(matched, str) and matched in ctx.stop_sequences:
-            return "stop_sequence", matched
+    if reason == segments.STOP:
+        if isinstance(acc.matched, str) and acc.matched in ctx.stop_sequences:
+            return "stop_sequence", acc.matched
         return "end_turn", None
-    raise GatewayError(502, f"upstream finished with reason {finish_reason!r}", "upstream_error")
+    raise GatewayError(502, f"upstream finished with reason {acc.raw_finish!r}", "upstream_error")
 
 
-def _tool_input(arguments: Any) -> dict[str, Any]:
-    if isinstance(arguments, dict):
-        return arguments
+def _output_tokens(acc: Accumulator) -> int:
+    completion = (acc.usage or {}).get("completion_tokens")
+    return acc.output_tokens if completion is None else completion
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
     if not arguments:
         return {}
     try:
@@ -541,52 +517,38 @@ def _tool_input(arguments: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _reasoning(message: dict[str, Any]) -> str | None:
-    # vLLM 0.32 names it `reasoning`; earlier releases `reasoning_content`.
-    return message.get("reasoning") or message.get("reasoning_content")
+def _block(seg: Segment) -> dict[str, Any]:
+    """The content block of `seg` as a whole response holds it."""
+    if seg.kind == REASONING:
+        return {"type": "thinking", "thinking": seg.text(), "signature": ""}
+    if seg.kind == TEXT:
+        return {"type": "text", "text": seg.text()}
+    return {
+        "type": "tool_use",
+        "id": seg.call_id or _new_id("toolu_"),
+        "name": seg.name,
+        "input": _tool_input(seg.text()),
+    }
 
 
 def from_upstream(resp: dict[str, Any], ctx: Context) -> bytes:
-    choice = resp["choices"][0]
-    message = choice.get("message") or {}
-    content: list[dict[str, Any]] = []
-    reasoning = _reasoning(message)
-    if reasoning:
-        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    text = message.get("content")
-    if text:
-        content.append({"type": "text", "text": text})
-    for call in message.get("tool_calls") or ():
-        function = call.get("function") or {}
-        content.append(
-            {
-                "type": "tool_use",
-                "id": call.get("id") or _new_id("toolu_"),
-                "name": function.get("name") or "",
-                "input": _tool_input(function.get("arguments")),
-            }
-        )
-    has_tool_use = bool(content) and content[-1]["type"] == "tool_use"
-    stop_reason, stop_sequence = _stop(
-        choice.get("finish_reason"), choice.get("stop_reason"), has_tool_use, ctx
-    )
-    usage = resp.get("usage") or {}
-    input_tokens = usage.get("prompt_tokens")
-    if input_tokens is None:
-        input_tokens = len(resp.get("prompt_token_ids") or ())
-    output_tokens = usage.get("completion_tokens")
-    if output_tokens is None:
-        output_tokens = len(choice.get("token_ids") or ())
+    acc = Accumulator()
+    acc.feed(resp)
+    stop_reason, stop_sequence = _stop(acc, ctx)
+    input_tokens = (acc.usage or {}).get("prompt_tokens")
     return msgspec.json.encode(
         {
             "id": ctx.message_id,
             "type": "message",
             "role": "assistant",
             "model": ctx.model,
-            "content": content,
+            "content": [_block(seg) for seg in acc.segments],
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+            "usage": {
+                "input_tokens": acc.prompt_tokens if input_tokens is None else input_tokens,
+                "output_tokens": _output_tokens(acc),
+            },
         }
     )
 
@@ -600,42 +562,32 @@ def _frame(event: bytes, data: dict[str, Any]) -> bytes:
 
 _PING = _frame(b"ping", {"type": "ping"})
 _MESSAGE_STOP = _frame(b"message_stop", {"type": "message_stop"})
+_EMPTY_BLOCK = {
+    REASONING: {"type": "thinking", "thinking": "", "signature": ""},
+    TEXT: {"type": "text", "text": ""},
+}
 
 
-class Stream:
+class Stream(segments.Sink):
     """vLLM chat-completion chunks in, Anthropic SSE events out.
 
-    Blocks are opened in arrival order (thinking, text, tool_use...) with consecutive indices;
-    at most one is open, and opening the next closes it. `message_delta` goes out with the
-    upstream usage chunk (the core always asks for it); `message_stop` only from `close()`.
+    Each segment is a content block, with consecutive indices; at most one is open, and the
+    next segment or the finish closes it. `message_delta` goes out with the upstream usage
+    chunk (the core always asks for it); `message_stop` only from `close()`.
     """
 
-    __slots__ = (
-        "_ctx",
-        "_started",
-        "_index",
-        "_open",
-        "_tool_blocks",
-        "_has_tool_use",
-        "_finish",
-        "_matched",
-        "_output_tokens",
-        "_delta_sent",
-    )
+    __slots__ = ("_ctx", "_acc", "_out", "_started", "_index", "_open", "_delta_sent")
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
+        self._acc = Accumulator()
+        self._out: list[bytes] = []
         self._started = False
         self._index = -1  # index of the newest block
-        self._open: str | None = None  # type of the newest block while it is open
-        self._tool_blocks: dict[int, int] = {}  # upstream tool-call index -> block index
-        self._has_tool_use = False
-        self._finish: str | None = None
-        self._matched: Any = None
-        self._output_tokens = 0
+        self._open: Segment | None = None  # the segment whose block is open
         self._delta_sent = False
 
-    def _start(self, chunk: dict[str, Any]) -> bytes:
+    def _start(self, prompt_tokens: int) -> None:
         self._started = True
         message = {
             "id": self._ctx.message_id,
@@ -645,127 +597,104 @@ class Stream:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {
-                "input_tokens": len(chunk.get("prompt_token_ids") or ()),
-                "output_tokens": 0,
-            },
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
         }
-        return _frame(b"message_start", {"type": "message_start", "message": message}) + _PING
+        self._out.append(_frame(b"message_start", {"type": "message_start", "message": message}))
+        self._out.append(_PING)
 
-    def _close_block(self, out: list[bytes]) -> None:
+    def _close_block(self) -> None:
         if self._open is not None:
-            out.append(
+            self._out.append(
                 _frame(b"content_block_stop", {"type": "content_block_stop", "index": self._index})
             )
             self._open = None
 
-    def _open_block(self, kind: str, block: dict[str, Any], out: list[bytes]) -> None:
-        self._close_block(out)
+    def start(self, seg: Segment) -> None:
+        self._close_block()
         self._index += 1
-        self._open = kind
-        out.append(
+        self._open = seg
+        if seg.kind == TOOL_CALL:
+            block = {
+                "type": "tool_use",
+                "id": seg.call_id or _new_id("toolu_"),
+                "name": seg.name,
+                "input": {},
+            }
+        else:
+            block = _EMPTY_BLOCK[seg.kind]
+        self._out.append(
             _frame(
                 b"content_block_start",
                 {"type": "content_block_start", "index": self._index, "content_block": block},
             )
         )
 
-    def _delta(self, delta: dict[str, Any], out: list[bytes]) -> None:
-        out.append(
+    def delta(self, seg: Segment, text: str) -> None:
+        if seg is not self._open:
+            if seg.kind == TOOL_CALL:
+                # Blocks cannot interleave; vLLM's parsers finish one call before the next.
+                raise GatewayError(
+                    502, "upstream interleaved the arguments of two tool calls", "upstream_error"
+                )
+            self.start(seg)  # text after the finish: a block of its own
+        kind = seg.kind
+        if kind == TEXT:
+            delta = {"type": "text_delta", "text": text}
+        elif kind == REASONING:
+            delta = {"type": "thinking_delta", "thinking": text}
+        else:
+            delta = {"type": "input_json_delta", "partial_json": text}
+        self._out.append(
             _frame(
                 b"content_block_delta",
                 {"type": "content_block_delta", "index": self._index, "delta": delta},
             )
         )
 
-    def _tool_call(self, call: dict[str, Any], out: list[bytes]) -> None:
-        position = call.get("index", 0)
-        function = call.get("function") or {}
-        block = self._tool_blocks.get(position)
-        if block is None:
-            self._open_block(
-                "tool_use",
-                {
-                    "type": "tool_use",
-                    "id": call.get("id") or _new_id("toolu_"),
-                    "name": function.get("name") or "",
-                    "input": {},
-                },
-                out,
-            )
-            self._tool_blocks[position] = self._index
-            self._has_tool_use = True
-        elif block != self._index or self._open is None:
-            # Anthropic blocks cannot interleave; vLLM's parsers finish one call before the next.
-            raise GatewayError(
-                502, "upstream interleaved the arguments of two tool calls", "upstream_error"
-            )
-        arguments = function.get("arguments")
-        if arguments:
-            self._delta({"type": "input_json_delta", "partial_json": arguments}, out)
+    def end(self, seg: Segment) -> None:
+        if seg is self._open:
+            self._close_block()
 
-    def _message_delta(self, output_tokens: int, out: list[bytes]) -> None:
-        self._close_block(out)
-        stop_reason, stop_sequence = _stop(
-            self._finish, self._matched, self._has_tool_use, self._ctx
-        )
-        out.append(
+    def finish(self) -> None:
+        self._close_block()
+
+    def usage(self) -> None:
+        if self._acc.raw_finish and not self._delta_sent:
+            self._message_delta()
+
+    def _message_delta(self) -> None:
+        self._close_block()
+        stop_reason, stop_sequence = _stop(self._acc, self._ctx)
+        self._out.append(
             _frame(
                 b"message_delta",
                 {
                     "type": "message_delta",
                     "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                    "usage": {"output_tokens": output_tokens},
+                    "usage": {"output_tokens": _output_tokens(self._acc)},
                 },
             )
         )
         self._delta_sent = True
 
+    def _flush(self) -> bytes:
+        out = b"".join(self._out)
+        self._out.clear()
+        return out
+
     def feed(self, chunk: dict[str, Any]) -> bytes:
-        out: list[bytes] = []
         if not self._started:
-            out.append(self._start(chunk))
-        choices = chunk.get("choices")
-        if choices:
-            choice = choices[0]
-            token_ids = choice.get("token_ids")
-            if token_ids:
-                self._output_tokens += len(token_ids)
-            delta = choice.get("delta")
-            if delta:
-                reasoning = _reasoning(delta)
-                if reasoning:
-                    if self._open != "thinking":
-                        self._open_block(
-                            "thinking", {"type": "thinking", "thinking": "", "signature": ""}, out
-                        )
-                    self._delta({"type": "thinking_delta", "thinking": reasoning}, out)
-                text = delta.get("content")
-                if text:
-                    if self._open != "text":
-                        self._open_block("text", {"type": "text", "text": ""}, out)
-                    self._delta({"type": "text_delta", "text": text}, out)
-                for call in delta.get("tool_calls") or ():
-                    self._tool_call(call, out)
-            finish = choice.get("finish_reason")
-            if finish:
-                self._finish = finish
-                self._matched = choice.get("stop_reason")
-                self._close_block(out)
-        usage = chunk.get("usage")
-        if usage and self._finish and not self._delta_sent:
-            completion = usage.get("completion_tokens")
-            self._message_delta(self._output_tokens if completion is None else completion, out)
-        return b"".join(out)
+            self._start(len(chunk.get("prompt_token_ids") or ()))
+        self._acc.feed(chunk, self)
+        return self._flush()
 
     def close(self) -> bytes:
-        out: list[bytes] = []
         if not self._started:
-            out.append(self._start({}))
+            self._start(0)
         if not self._delta_sent:
-            self._message_delta(self._output_tokens, out)
-        out.append(_MESSAGE_STOP)
-        return b"".join(out)
+            self._message_delta()
+        self._out.append(_MESSAGE_STOP)
+        return self._flush()
 
     def fail(self, err: GatewayError) -> bytes:
         _, body = _error_body(err)

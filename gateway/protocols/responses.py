@@ -18,16 +18,18 @@ Decisions (see the tests for each):
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
+from collections.abc import Collection
 from typing import Any, Literal
 
 import msgspec
 
-from gateway.protocols.errors import GatewayError, bad_request
+from gateway.protocols import segments
+from gateway.protocols.errors import GatewayError, bad_request, invalid_field, text_only
 from gateway.protocols.openai_common import render_error
-from gateway.protocols.tools import check_object_schema
+from gateway.protocols.segments import REASONING, TEXT, TOOL_CALL, Accumulator, Segment
+from gateway.protocols.tools import chat_tool, chat_tool_choice, check_unique_names
 
 NAME = "responses"
 UPSTREAM_PATH = "/v1/chat/completions"
@@ -203,18 +205,11 @@ class Context(msgspec.Struct):
 
 # -- validation helpers --------------------------------------------------------------------------
 
-_MISSING = re.compile(r"Object missing required field `([^`]+)`")
-
 
 def _invalid(exc: msgspec.ValidationError, root: str = "") -> GatewayError:
     """msgspec's message with its `$`-path turned into the request field it names."""
-    msg, sep, at = str(exc).partition(" - at `$")
-    path = root + (at[:-1] if sep else "")
-    missing = _MISSING.match(msg)
-    if missing:
-        path = f"{path}.{missing[1]}"
-    path = path.lstrip(".")
-    return bad_request(f"invalid '{path}': {msg}" if path else msg, param=path or None)
+    text, path, _ = invalid_field(exc, root)
+    return bad_request(f"invalid '{path}': {text}" if path else text, param=path or None)
 
 
 def _convert(obj: Any, typ: Any, root: str) -> Any:
@@ -251,17 +246,8 @@ def parse_request(raw: bytes) -> Request:
 
 def _function_tool(obj: dict, path: str, namespace: str | None = None) -> dict:
     fn = _convert(obj, _FunctionTool, path)
-    if fn.parameters is not None:
-        check_object_schema(fn.parameters, f"{path}.parameters")
     name = fn.name if namespace is None else namespace + _NS_SEP + fn.name
-    spec: dict[str, Any] = {"name": name}
-    if fn.description is not None:
-        spec["description"] = fn.description
-    if fn.parameters is not None:
-        spec["parameters"] = fn.parameters
-    if fn.strict is not None:
-        spec["strict"] = fn.strict
-    return {"type": "function", "function": spec}
+    return chat_tool(name, fn.parameters, fn.description, fn.strict, f"{path}.parameters")
 
 
 def _tool_kind(obj: dict, path: str, allowed: str) -> str:
@@ -301,10 +287,8 @@ def _tools(raw: list[dict]) -> tuple[list[dict], dict[str, tuple[str, str]], lis
             dropped.append(kind)
         else:
             raise bad_request(f"'{path}': unknown tool type {kind!r}", param=f"{path}.type")
-    names = [t["function"]["name"] for t in chat]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise bad_request(f"tool name {dup!r} is declared more than once", param="tools")
+    # Namespaced names are only unique once flattened, so the field named is the whole list.
+    check_unique_names(chat, lambda i: "tools")
     return chat, namespaced, dropped
 
 
@@ -316,24 +300,14 @@ def _tool_choice(choice: str | dict, chat_tools: list[dict]) -> str | dict | Non
                 f"'tool_choice' must be 'auto', 'none', 'required' or a function, not {choice!r}",
                 param="tool_choice",
             )
-        if choice == "required" and not chat_tools:
-            raise bad_request(
-                "tool_choice 'required' needs at least one function tool", param="tool_choice"
-            )
-        return choice if chat_tools else None
+        return chat_tool_choice(choice, None, chat_tools, repr(choice))
     if choice.get("type") != "function":
         raise bad_request(
             f"tool_choice of type {choice.get('type')!r} is not supported; use 'auto', 'none', "
             "'required' or {'type': 'function', 'name': ...}",
             param="tool_choice.type",
         )
-    name = choice.get("name")
-    if not any(t["function"]["name"] == name for t in chat_tools):
-        raise bad_request(
-            f"tool_choice names function {name!r}, which is not among the function tools",
-            param="tool_choice.name",
-        )
-    return {"type": "function", "function": {"name": name}}
+    return chat_tool_choice("function", choice.get("name"), chat_tools, "a function")
 
 
 # -- items to messages ---------------------------------------------------------------------------
@@ -347,12 +321,7 @@ def _text(parts: str | list, path: str, join: str | None) -> str | list[dict] | 
     texts = []
     for j, p in enumerate(parts):
         if not isinstance(p, (InputText, OutputText)):
-            kind = type(p).__name__
-            raise bad_request(
-                f"'{path}[{j}]': {kind} content is not supported; this gateway serves text-only "
-                "models",
-                param=f"{path}[{j}].type",
-            )
+            raise text_only(p.__struct_config__.tag, f"{path}[{j}]", f"{path}[{j}].type")
         texts.append(p.text)
     if join is not None:
         return join.join(texts)
@@ -527,55 +496,71 @@ def conversation_items(
     return items
 
 
-# -- response objects ----------------------------------------------------------------------------
+# -- response objects: a mapping of the engine's output segments (see segments.py) -------------
+
+_PREFIX = {REASONING: "rs", TEXT: "msg", TOOL_CALL: "fc"}
 
 
 def _item_id(ctx: Context, prefix: str, index: int) -> str:
     return f"{prefix}_{ctx.response_id[5:]}{index:04x}"
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict:
-    return {
-        "id": item_id,
-        "type": "message",
-        "role": "assistant",
-        "status": status,
-        "content": [{"type": "output_text", "text": text, "annotations": []}],
-    }
-
-
-def _reasoning_item(item_id: str, text: str, status: str) -> dict:
-    return {
-        "id": item_id,
-        "type": "reasoning",
-        "summary": [],
-        "content": [{"type": "reasoning_text", "text": text}],
-        "encrypted_content": None,
-        "status": status,
-    }
-
-
-def _call_item(
-    ctx: Context, item_id: str, call_id: str, chat_name: str, arguments: str, status: str
-) -> dict:
+def _item(ctx: Context, seg: Segment, status: str) -> dict:
+    """The output item of `seg` as the response object holds it."""
+    item_id = _item_id(ctx, _PREFIX[seg.kind], seg.index)
+    text = seg.text()
+    if seg.kind == TEXT:
+        return {
+            "id": item_id,
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }
+    if seg.kind == REASONING:
+        return {
+            "id": item_id,
+            "type": "reasoning",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
+            "encrypted_content": None,
+            "status": status,
+        }
     item = {
         "id": item_id,
         "type": "function_call",
-        "call_id": call_id,
-        "name": chat_name,
-        "arguments": arguments,
+        "call_id": seg.call_id or _item_id(ctx, "call", seg.index),
+        "name": seg.name,
+        "arguments": text,
         "status": status,
     }
-    mapped = ctx.namespaced.get(chat_name)
+    mapped = ctx.namespaced.get(seg.name)
     if mapped is not None:
         item["namespace"], item["name"] = mapped
     return item
 
 
-def _status(finish_reason: str | None) -> tuple[str, dict | None]:
-    if finish_reason == "length":
+def _output(
+    ctx: Context, acc: Accumulator, cut: str, rest: str, closed: Collection[int] = ()
+) -> list[dict]:
+    """Every item in its final form. Items not `closed` yet close as `cut` if last (the one
+    being generated when the output stopped), else as `rest`."""
+    last = len(acc.segments) - 1
+    return [
+        _item(
+            ctx,
+            seg,
+            "completed" if seg.index in closed else cut if seg.index == last else rest,
+        )
+        for seg in acc.segments
+    ]
+
+
+def _status(acc: Accumulator) -> tuple[str, dict | None]:
+    reason = acc.finish_reason()
+    if reason == segments.LENGTH:
         return "incomplete", {"reason": "max_output_tokens"}
-    if finish_reason == "content_filter":
+    if reason == segments.CONTENT_FILTER:
         return "incomplete", {"reason": "content_filter"}
     return "completed", None
 
@@ -618,254 +603,167 @@ def _response(
     }
 
 
+def _final_response(ctx: Context, acc: Accumulator) -> dict:
+    # Only the last item can still be open when the output ends: a new item closes the one
+    # before, except function calls, which the stream closes last (see `Stream`).
+    status, incomplete = _status(acc)
+    output = _output(ctx, acc, status, "completed")
+    return _response(ctx, status, output, _usage(acc.usage), incomplete)
+
+
 def from_upstream(resp: dict, ctx: Context) -> bytes:
-    choice = resp["choices"][0]
-    msg = choice.get("message") or {}
-    status, incomplete = _status(choice.get("finish_reason"))
-    output: list[dict] = []
-    reasoning = msg.get("reasoning") or msg.get("reasoning_content")
-    if reasoning:
-        output.append(_reasoning_item(_item_id(ctx, "rs", len(output)), reasoning, "completed"))
-    if msg.get("content"):
-        output.append(_message_item(_item_id(ctx, "msg", len(output)), msg["content"], "completed"))
-    for tc in msg.get("tool_calls") or ():
-        fn = tc.get("function") or {}
-        k = len(output)
-        call_id = tc.get("id") or _item_id(ctx, "call", k)
-        output.append(
-            _call_item(
-                ctx,
-                _item_id(ctx, "fc", k),
-                call_id,
-                fn.get("name", ""),
-                fn.get("arguments", ""),
-                "completed",
-            )
-        )
-    if status == "incomplete" and output:
-        output[-1]["status"] = "incomplete"  # only the item being generated was cut off
-    return _encode(_response(ctx, status, output, _usage(resp.get("usage")), incomplete))
+    acc = Accumulator()
+    acc.feed(resp)
+    return _encode(_final_response(ctx, acc))
 
 
 # -- streaming -----------------------------------------------------------------------------------
 
-
-class _Out:
-    """One output item while it streams."""
-
-    __slots__ = ("kind", "id", "index", "parts", "status", "call_id", "name")
-
-    def __init__(self, kind: str, item_id: str, index: int) -> None:
-        self.kind = kind  # "reasoning" | "message" | "function_call"
-        self.id = item_id
-        self.index = index
-        self.parts: list[str] = []
-        self.status: str | None = None  # None while open
-        self.call_id = ""
-        self.name = ""
-
-
-_PREFIX = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
-_DELTA = {"reasoning": "response.reasoning_text.delta", "message": "response.output_text.delta"}
-_DONE = {"reasoning": "response.reasoning_text.done", "message": "response.output_text.done"}
-_EMPTY_PART = {
-    "reasoning": {"type": "reasoning_text", "text": ""},
-    "message": {"type": "output_text", "text": "", "annotations": []},
+_DELTA = {
+    REASONING: "response.reasoning_text.delta",
+    TEXT: "response.output_text.delta",
+    TOOL_CALL: "response.function_call_arguments.delta",
+}
+_DONE = {
+    REASONING: "response.reasoning_text.done",
+    TEXT: "response.output_text.done",
+}
+_ADDED = {
+    REASONING: ("reasoning", {"type": "reasoning_text", "text": ""}),
+    TEXT: ("message", {"type": "output_text", "text": "", "annotations": []}),
 }
 
 
-class Stream:
-    """Chat chunks in, Responses SSE events out. Function calls stay open until `close()`: a
-    harness runs a call when its `output_item.done` arrives, which must not happen before the
-    call is recorded."""
+class Stream(segments.Sink):
+    """Chat chunks in, Responses SSE events out; each segment is an output item. Function calls
+    stay open until `close()`: a harness runs a call when its `output_item.done` arrives, which
+    must not happen before the call is recorded."""
 
-    __slots__ = ("_ctx", "_seq", "_started", "_items", "_open", "_calls", "_finish", "_usage")
+    __slots__ = ("_ctx", "_acc", "_out", "_seq", "_started", "_ids", "_closed")
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
+        self._acc = Accumulator()
+        self._out: list[bytes] = []
         self._seq = 0
         self._started = False
-        self._items: list[_Out] = []
-        self._open: _Out | None = None  # the reasoning or message item receiving text
-        self._calls: dict[int, _Out] = {}  # upstream tool-call index -> item
-        self._finish: str | None = None
-        self._usage: dict | None = None
+        self._ids: list[str] = []  # item id per segment
+        self._closed: set[int] = set()  # segments whose item is done
 
-    def _event(self, out: list[bytes], kind: str, fields: dict) -> None:
+    def _event(self, kind: str, fields: dict) -> None:
         payload = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
-        out.append(b"event: %s\ndata: %s\n\n" % (kind.encode(), _encode(payload)))
+        self._out.append(b"event: %s\ndata: %s\n\n" % (kind.encode(), _encode(payload)))
 
-    def _start(self, out: list[bytes]) -> None:
+    def _start(self) -> None:
         self._started = True
         resp = _response(self._ctx, "in_progress", [], None)
-        self._event(out, "response.created", {"response": resp})
-        self._event(out, "response.in_progress", {"response": resp})
+        self._event("response.created", {"response": resp})
+        self._event("response.in_progress", {"response": resp})
 
-    def _add(self, kind: str, out: list[bytes]) -> _Out:
-        index = len(self._items)
-        item = _Out(kind, _item_id(self._ctx, _PREFIX[kind], index), index)
-        self._items.append(item)
-        if kind == "function_call":
-            return item  # announced by the caller once call_id and name are set
-        added = {"id": item.id, "type": kind, "status": "in_progress", "content": []}
-        if kind == "message":
+    def start(self, seg: Segment) -> None:
+        item_id = _item_id(self._ctx, _PREFIX[seg.kind], seg.index)
+        self._ids.append(item_id)
+        if seg.kind == TOOL_CALL:
+            added = _item(self._ctx, seg, "in_progress")
+            self._event("response.output_item.added", {"output_index": seg.index, "item": added})
+            return
+        kind, part = _ADDED[seg.kind]
+        added = {"id": item_id, "type": kind, "status": "in_progress", "content": []}
+        if seg.kind == TEXT:
             added["role"] = "assistant"
         else:
             added["summary"] = []
-        self._event(out, "response.output_item.added", {"output_index": index, "item": added})
+        self._event("response.output_item.added", {"output_index": seg.index, "item": added})
         self._event(
-            out,
             "response.content_part.added",
-            {
-                "item_id": item.id,
-                "output_index": index,
-                "content_index": 0,
-                "part": _EMPTY_PART[kind],
-            },
+            {"item_id": item_id, "output_index": seg.index, "content_index": 0, "part": part},
         )
-        return item
 
-    def _final(self, item: _Out, status: str) -> dict:
-        text = "".join(item.parts)
-        if item.kind == "message":
-            return _message_item(item.id, text, status)
-        if item.kind == "reasoning":
-            return _reasoning_item(item.id, text, status)
-        return _call_item(self._ctx, item.id, item.call_id, item.name, text, status)
+    def delta(self, seg: Segment, text: str) -> None:
+        # The per-chunk event: one dict, built in its final key order.
+        kind, index = seg.kind, seg.index
+        seq = self._seq
+        self._seq = seq + 1
+        name = _DELTA[kind]
+        payload = {
+            "type": name,
+            "sequence_number": seq,
+            "item_id": self._ids[index],
+            "output_index": index,
+        }
+        if kind != TOOL_CALL:
+            payload["content_index"] = 0
+        payload["delta"] = text
+        if kind == TEXT:
+            payload["logprobs"] = []
+        self._out.append(b"event: %s\ndata: %s\n\n" % (name.encode(), _encode(payload)))
 
-    def _close_item(self, item: _Out, status: str, out: list[bytes]) -> None:
-        item.status = status
-        final = self._final(item, status)
-        where = {"item_id": item.id, "output_index": item.index}
-        if item.kind == "function_call":
+    def end(self, seg: Segment) -> None:
+        if seg.kind != TOOL_CALL:
+            self._close_item(seg, "completed")
+
+    def _close_item(self, seg: Segment, status: str) -> None:
+        self._closed.add(seg.index)
+        final = _item(self._ctx, seg, status)
+        where = {"item_id": final["id"], "output_index": seg.index}
+        if seg.kind == TOOL_CALL:
             self._event(
-                out,
-                "response.function_call_arguments.done",
-                {**where, "arguments": final["arguments"]},
+                "response.function_call_arguments.done", {**where, "arguments": final["arguments"]}
             )
         else:
             part = final["content"][0]
             done = {**where, "content_index": 0, "text": part["text"]}
-            if item.kind == "message":
+            if seg.kind == TEXT:
                 done["logprobs"] = []
-            self._event(out, _DONE[item.kind], done)
-            self._event(
-                out, "response.content_part.done", {**where, "content_index": 0, "part": part}
-            )
-        self._event(out, "response.output_item.done", {"output_index": item.index, "item": final})
+            self._event(_DONE[seg.kind], done)
+            self._event("response.content_part.done", {**where, "content_index": 0, "part": part})
+        self._event("response.output_item.done", {"output_index": seg.index, "item": final})
 
-    def _text(self, kind: str, delta: str, out: list[bytes]) -> None:
-        item = self._open
-        if item is None or item.kind != kind:
-            if item is not None:
-                self._close_item(item, "completed", out)
-            item = self._open = self._add(kind, out)
-        item.parts.append(delta)
-        fields = {
-            "item_id": item.id,
-            "output_index": item.index,
-            "content_index": 0,
-            "delta": delta,
-        }
-        if kind == "message":
-            fields["logprobs"] = []
-        self._event(out, _DELTA[kind], fields)
-
-    def _call(self, tc: dict, out: list[bytes]) -> None:
-        fn = tc.get("function") or {}
-        key = tc.get("index", 0)
-        item = self._calls.get(key)
-        if item is None:
-            if self._open is not None:
-                self._close_item(self._open, "completed", out)
-                self._open = None
-            item = self._calls[key] = self._add("function_call", out)
-            item.call_id = tc.get("id") or _item_id(self._ctx, "call", item.index)
-            item.name = fn.get("name") or ""
-            added = self._final(item, "in_progress")
-            self._event(
-                out, "response.output_item.added", {"output_index": item.index, "item": added}
-            )
-        elif fn.get("name"):
-            item.name += fn["name"]
-        args = fn.get("arguments")
-        if args:
-            item.parts.append(args)
-            self._event(
-                out,
-                "response.function_call_arguments.delta",
-                {"item_id": item.id, "output_index": item.index, "delta": args},
-            )
+    def _flush(self) -> bytes:
+        out = b"".join(self._out)
+        self._out.clear()
+        return out
 
     def feed(self, chunk: dict) -> bytes:
-        out: list[bytes] = []
         if not self._started:
-            self._start(out)
-        choices = chunk.get("choices")
-        if choices:
-            choice = choices[0]
-            delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning") or delta.get("reasoning_content")
-            if reasoning:
-                self._text("reasoning", reasoning, out)
-            content = delta.get("content")
-            if content:
-                self._text("message", content, out)
-            for tc in delta.get("tool_calls") or ():
-                self._call(tc, out)
-            if choice.get("finish_reason"):
-                self._finish = choice["finish_reason"]
-        usage = chunk.get("usage")
-        if usage:
-            self._usage = usage
-        return b"".join(out)
-
-    def _output(self, cut: str, rest: str) -> list[dict]:
-        """Every item in its final form. Items still open close as `cut` if last (the one being
-        generated when the stream stopped), else as `rest`."""
-        last = len(self._items) - 1
-        return [
-            self._final(it, it.status or (cut if it.index == last else rest)) for it in self._items
-        ]
+            self._start()
+        self._acc.feed(chunk, self)
+        return self._flush()
 
     def response(self) -> dict:
         """The response object `close()` will send, for the core to store before it does."""
-        status, incomplete = _status(self._finish)
-        return _response(
-            self._ctx, status, self._output(status, "completed"), _usage(self._usage), incomplete
-        )
+        return _final_response(self._ctx, self._acc)
 
     def close(self) -> bytes:
-        out: list[bytes] = []
         if not self._started:
-            self._start(out)
+            self._start()
         resp = self.response()
-        for item, final in zip(self._items, resp["output"]):
-            if item.status is None:
-                self._close_item(item, final["status"], out)
-        self._event(out, f"response.{resp['status']}", {"response": resp})
-        return b"".join(out)
+        for seg, final in zip(self._acc.segments, resp["output"]):
+            if seg.index not in self._closed:
+                self._close_item(seg, final["status"])
+        self._event(f"response.{resp['status']}", {"response": resp})
+        return self._flush()
 
     def fail(self, err: GatewayError) -> bytes:
         """`error`, then `response.failed` with what was generated so far. Open items are not
         closed: a harness would run a half-streamed function call."""
-        out: list[bytes] = []
+        self._out.clear()  # events of a chunk the protocol could not take
         if not self._started:
-            self._start(out)
+            self._start()
         code = err.code or (
             "context_length_exceeded" if err.kind == "context_length_exceeded" else "server_error"
         )
-        self._event(out, "error", {"code": code, "message": err.message, "param": err.param})
+        self._event("error", {"code": code, "message": err.message, "param": err.param})
         resp = _response(
             self._ctx,
             "failed",
-            self._output("incomplete", "incomplete"),
-            _usage(self._usage),
+            _output(self._ctx, self._acc, "incomplete", "incomplete", self._closed),
+            _usage(self._acc.usage),
             error={"code": code, "message": err.message},
         )
-        self._event(out, "response.failed", {"response": resp})
-        return b"".join(out)
+        self._event("response.failed", {"response": resp})
+        return self._flush()
 
 
 # -- stored conversation state (`previous_response_id`) ------------------------------------------

@@ -1,10 +1,12 @@
-"""Checks every protocol applies to a tool's parameter schema before the engine sees it.
+"""Tools on the request side, for every protocol: the chat-completions tool a client's tool
+becomes, the checks on tool schemas and names, and the chat form of a tool choice.
 
 vLLM accepts a malformed schema and runs the request anyway (the tool parser and the grammar
 then misbehave quietly), so the gateway refuses it with the field that is wrong."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from gateway.protocols.errors import bad_request
@@ -34,3 +36,55 @@ def check_object_schema(schema: Any, path: str) -> None:
         raise bad_request(
             f"{path}.required: must be a list of parameter names", param=f"{path}.required"
         )
+
+
+def chat_tool(
+    name: str, parameters: Any, description: str | None, strict: bool | None, path: str
+) -> dict[str, Any]:
+    """A chat-completions function tool; `path` names the parameter schema in the request."""
+    if parameters is not None:
+        check_object_schema(parameters, path)
+    function: dict[str, Any] = {"name": name}
+    if description is not None:
+        function["description"] = description
+    if parameters is not None:
+        function["parameters"] = parameters
+    if strict is not None:
+        # Strict tool use: vLLM then holds the arguments to the schema, and only then does a
+        # small model produce valid calls.
+        function["strict"] = strict
+    return {"type": "function", "function": function}
+
+
+def check_unique_names(tools: list[dict[str, Any]], param_of: Callable[[int], str]) -> None:
+    """Two tools of one name would leave the engine's parser to guess which one a call means;
+    `param_of(i)` names the field of the i-th tool in the request."""
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        name = tool["function"]["name"]
+        if name in seen:
+            param = param_of(i)
+            raise bad_request(f"{param}: tool names must be unique; {name!r} repeats", param=param)
+        seen.add(name)
+
+
+def chat_tool_choice(
+    mode: str, name: str | None, tools: list[dict[str, Any]] | None, label: str
+) -> str | dict[str, Any] | None:
+    """The chat form of a tool choice: `mode` is 'auto', 'none', 'required' or 'function' (the
+    tool `name`); None when no tool reaches the model, so there is nothing to choose. `label` is
+    the choice as the client's protocol names it, for the error."""
+    if mode in ("auto", "none"):
+        return mode if tools else None
+    if not tools:
+        raise bad_request(
+            f"tool_choice: {label} needs tools, and the request offers the model none",
+            param="tool_choice",
+        )
+    if mode == "required":
+        return "required"
+    if not any(tool["function"]["name"] == name for tool in tools):
+        raise bad_request(
+            f"tool_choice.name: no tool named {name!r} in tools", param="tool_choice.name"
+        )
+    return {"type": "function", "function": {"name": name}}
