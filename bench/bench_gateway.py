@@ -79,6 +79,21 @@ SCENARIOS = (
 # -- load generator (its own process) ----------------------------------------------------------
 
 
+def context_request(request: dict, tokens: int) -> dict:
+    """`request` with its user turn grown to about `tokens` tokens (4 characters each, as code
+    and English run): a source file pasted into the task, as a long agent context carries."""
+    lines, size, i = [], 0, 0
+    while size < tokens * 4:
+        line = f"    total_{i} = compute(values[{i}], weight={i % 7}) + offset  # step {i}\n"
+        lines.append(line)
+        size += len(line)
+        i += 1
+    messages = [dict(m) for m in request["messages"]]
+    user = next(m for m in messages if m["role"] == "user")
+    user["content"] += "\n" + "".join(lines)
+    return dict(request, messages=messages)
+
+
 def cpu_times(pid: int) -> tuple[float, float]:
     """User and system CPU seconds of process `pid` (all its threads) so far."""
     with open(f"/proc/{pid}/stat", "rb") as f:
@@ -127,6 +142,7 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     warmup: int
     pids: dict[str, list[int]]  # processes whose CPU time is measured, by role
     postgres: tuple[str, str] | None = None  # (server DSN, database): also time its backends
+    context_tokens: int = 0  # > 0: the user turn carries about this many tokens of text
 
 
 class LoadResult(msgspec.Struct, kw_only=True):
@@ -149,6 +165,8 @@ async def loadgen(spec: LoadSpec) -> LoadResult:
     import aiohttp
 
     request = json.loads(standin.REQUEST.read_text())
+    if spec.context_tokens:
+        request = context_request(request, spec.context_tokens)
     if spec.unknown_turn:
         request["messages"] += json.loads(TOOL_ROUND.read_text())
     if spec.stream:
@@ -299,14 +317,16 @@ def _fetchval(dsn: str, sql: str, *args):
 class Gateway:
     """One `rolltap gateway` process in front of `upstream`, recording into `dsn`."""
 
-    def __init__(self, upstream: str, dsn: str, log_path: Path) -> None:
+    def __init__(
+        self, upstream: str, dsn: str, log_path: Path, log_level: str = "WARNING"
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.args = [
             sys.executable, "-m", "gateway.cli", "gateway", "--upstream", upstream,
             "--port", str(self.port), "--database-url", dsn, "--admin-key", ADMIN_KEY,
-            "--log-level", "WARNING",
+            "--log-level", log_level,
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None
 
@@ -588,6 +608,8 @@ def add_marginals(rows: dict, stream_events: int) -> None:
 
 
 def run(print_fn=print) -> dict:
+    from bench import gateway_contexts  # it builds on this module
+
     datname = f"rolltap_bench_{uuid.uuid4().hex[:10]}"
     dsn = f"{POSTGRES_URL.rpartition('/')[0]}/{datname}"
     meta = json.loads(standin.META.read_text())
@@ -603,15 +625,18 @@ def run(print_fn=print) -> dict:
             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start"
         )
         rows, lost = _measure(dsn, datname, stream_events, print_fn)
+        add_marginals(rows, stream_events)
+        print_fn(format_table(SCENARIOS, rows, lost, stream_events))
+        print_fn("\nby context, as deployed (INFO log level, access log on, bodies recorded):")
+        contexts = gateway_contexts.run(dsn, datname, print_fn)
     finally:
         admin_sql(f'DROP DATABASE IF EXISTS "{datname}" WITH (FORCE)')
-    add_marginals(rows, stream_events)
-    print_fn(format_table(SCENARIOS, rows, lost, stream_events))
     print_fn(f"load average at the end: {os.getloadavg()[0]:.1f}")
     plain = [s for s in SCENARIOS if not s.unknown_turn]
     whole_c1 = next(s for s in plain if s.concurrency == 1 and not s.stream)
     return {
         "scenarios": rows,
+        "contexts": contexts,
         "lost_records": lost,
         "stream_events": stream_events,
         "commit_p50_ms": commit_ms,
