@@ -72,15 +72,19 @@ def measure(dsn: str, datname: str, print_fn) -> dict:
         port, pass_port = free_port(), free_port()
         upstream_url = f"http://127.0.0.1:{port}"
         procs = [standin.start(port, context=(tokens, COMPLETION_TOKENS))]
-        gateway = Gateway(
-            upstream_url, dsn, log_dir / f"gateway-{tokens}.log", log_level=LOG_LEVEL
-        )
+        gateway = Gateway(upstream_url, dsn, log_dir / f"gateway-{tokens}.log", log_level=LOG_LEVEL)
         try:
             procs.append(
                 standin.start(
                     pass_port,
-                    argv=["-m", "bench.passthrough", "--port", str(pass_port),
-                          "--upstream", upstream_url],
+                    argv=[
+                        "-m",
+                        "bench.passthrough",
+                        "--port",
+                        str(pass_port),
+                        "--upstream",
+                        upstream_url,
+                    ],
                 )  # fmt: skip
             )
             gateway.start()
@@ -112,7 +116,9 @@ def measure(dsn: str, datname: str, print_fn) -> dict:
                         )
                     )
                     if r.first_error:
-                        print_fn(f"  {tokens} {side} {run.name}: {r.errors} errors: {r.first_error}")
+                        print_fn(
+                            f"  {tokens} {side} {run.name}: {r.errors} errors: {r.first_error}"
+                        )
                     out[tokens][side][run.name] = {
                         "p50_ms": _p(r.latency_s, 50) * 1e3,
                         "rps": len(r.latency_s) / r.wall_s if r.wall_s else float("nan"),
@@ -179,10 +185,10 @@ def format_table(results: dict) -> str:
     )
     lines.append(f"{'goal':<9}{'(issue #14)':<22}" + goals)
     lines.append(
-        f"prompt tokens as shown, {COMPLETION_TOKENS} sampled; `!` marks a missed goal. CPU is the\n"
-        "proxy process's; PG is Postgres's backends' per recorded call (the pass-through records\n"
-        "nothing). µs/chunk: (streamed - whole) CPU over the stream's chunks; +p50: over the\n"
-        "stand-in reached directly."
+        f"prompt tokens as shown, {COMPLETION_TOKENS} sampled; `!` marks a missed goal. CPU is\n"
+        "the proxy process's; PG is Postgres's backends' per recorded call (the pass-through\n"
+        "records nothing). µs/chunk: (streamed - whole) CPU over the stream's chunks; +p50:\n"
+        "over the stand-in reached directly."
     )
     return "\n".join(lines)
 
@@ -192,4 +198,6 @@ def run(dsn: str, datname: str, print_fn) -> dict:
     results = measure(dsn, datname, print_fn)
     print_fn(format_table(results))
     print_fn(f"(contexts table: {time.monotonic() - started:.0f} s)")
-    return {str(k): {s: row(v[s], v["direct"]) for s in v if s != "direct"} for k, v in results.items()}
+    return {
+        str(k): {s: row(v[s], v["direct"]) for s in v if s != "direct"} for k, v in results.items()
+    }
