@@ -17,7 +17,6 @@ KEY = "prompt_token_ids"
 _FIELD = b'"prompt_token_ids":['
 _SENTINEL = b'"prompt_token_ids":0'
 _INT32_MAX = 2**31 - 1
-_POW10 = 10 ** np.arange(19, dtype=np.int64)
 
 
 def split(raw: bytes) -> tuple[bytes, bytes | None]:
@@ -78,13 +77,18 @@ def _parse_plain(span: bytes) -> np.ndarray | None:
         return None
     if ids.max() > _INT32_MAX:  # (int64 saturates)
         return None
-    # A leading zero is not JSON, and parsing would hide it: only where a number could start
-    # with one are the digits counted.
-    if (inner[:1] == b"0" or b",0" in inner) and _digit_count(ids) != len(inner) - len(ids) + 1:
+    if _leading_zero(inner):  # not JSON, and parsing would hide it
         return None
     return ids.astype(np.int32)
 
 
-def _digit_count(ids: np.ndarray) -> int:
-    """Digits written without leading zeros, summed (0 has one); `ids` are non-negative."""
-    return int(np.searchsorted(_POW10, ids, side="right").sum()) + int(np.count_nonzero(ids == 0))
+def _leading_zero(inner: bytes) -> bool:
+    """Whether a number of `inner` (digits and commas) starts with 0 and goes on; a prompt
+    holds few zeros, so few are looked at."""
+    at = 0 if inner[:1] == b"0" else inner.find(b",0")
+    while at >= 0:
+        zero = at if inner[at : at + 1] == b"0" else at + 1
+        if inner[zero + 1 : zero + 2] not in (b",", b""):
+            return True
+        at = inner.find(b",0", zero + 1)
+    return False

@@ -93,3 +93,12 @@ def test_the_capture_keeps_the_ids_it_was_handed_first() -> None:
     fresh.add_chunk({"prompt_token_ids": [7, 8], "choices": []}, 0)
     assert fresh.prompt_ids.dtype == np.int32
     np.testing.assert_array_equal(fresh.prompt_ids, [7, 8])
+
+
+@pytest.mark.parametrize(
+    "span",
+    [b"[01]", b"[1,01]", b"[0,0]", b"[10,0]", b"[0]", b"[00]", b"[1,00,2]", b"[0,10,100,0]",
+     b"[1,]", b"[,1]", b"[1,,2]", b"[99999999999999999999]", b"[2147483648]", b"[]", b"[ ]"],
+)  # fmt: skip
+def test_edge_cases_parse_or_fail_as_the_list_path(span) -> None:
+    same_as_list_path(span)
