@@ -608,7 +608,7 @@ def add_marginals(rows: dict, stream_events: int) -> None:
 
 
 def run(print_fn=print) -> dict:
-    from bench import gateway_contexts  # it builds on this module
+    from bench import gateway_contexts, recorder_variants  # they build on this module
 
     datname = f"rolltap_bench_{uuid.uuid4().hex[:10]}"
     dsn = f"{POSTGRES_URL.rpartition('/')[0]}/{datname}"
@@ -629,6 +629,7 @@ def run(print_fn=print) -> dict:
         print_fn(format_table(SCENARIOS, rows, lost, stream_events))
         print_fn("\nby context, as deployed (INFO log level, access log on, bodies recorded):")
         contexts = gateway_contexts.run(dsn, datname, print_fn)
+        recorder = recorder_variants.run(dsn, print_fn)
     finally:
         admin_sql(f'DROP DATABASE IF EXISTS "{datname}" WITH (FORCE)')
     print_fn(f"load average at the end: {os.getloadavg()[0]:.1f}")
@@ -637,6 +638,7 @@ def run(print_fn=print) -> dict:
     return {
         "scenarios": rows,
         "contexts": contexts,
+        "recorder": recorder,
         "lost_records": lost,
         "stream_events": stream_events,
         "commit_p50_ms": commit_ms,
