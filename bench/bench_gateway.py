@@ -10,6 +10,15 @@ Postgres in a fresh database dropped afterwards) and the load generator (this mo
 The gateway's CPU time comes from /proc/PID/stat (user + system) over the measured phase only. It
 depends far less than latency on what else the machine runs, but not at all is too much to say:
 a busy machine makes every wake-up dearer (cold caches), so compare runs made side by side.
+On these shared 2-core machines the same gateway measured 820 µs per non-streamed call at c=1
+in one run and 1,400 µs in another: that, more than anything the bench did differently, is why
+an outside measurement (1,201 µs) disagreed with it. The same run therefore also measures a bare
+aiohttp pass-through (`bench/gateway_contexts.py`) as the reference the gateway is judged by.
+
+The gateway runs as deployed: at the default log level (INFO: one access-log line per call,
+which costs about 200 µs a call at c=64 here), bodies recorded. After the scenarios below come
+the costs by context length (512, 8k and 32k prompt tokens) and the recorder's batch-commit
+variants.
 
     python -m bench.bench_gateway          # this section alone; `python -m bench` runs all
 """
@@ -317,9 +326,7 @@ def _fetchval(dsn: str, sql: str, *args):
 class Gateway:
     """One `rolltap gateway` process in front of `upstream`, recording into `dsn`."""
 
-    def __init__(
-        self, upstream: str, dsn: str, log_path: Path, log_level: str = "WARNING"
-    ) -> None:
+    def __init__(self, upstream: str, dsn: str, log_path: Path, log_level: str = "INFO") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -620,7 +627,8 @@ def run(print_fn=print) -> dict:
         print_fn(
             f"gateway overhead: STAND-IN upstream replaying recorded {meta['engine']} replies "
             f"with no delay ({meta['prompt_tokens']}-token prompt, {meta['completion_tokens']} "
-            f"sampled tokens, {stream_events} SSE events); gateway recording into a fresh "
+            f"sampled tokens, {stream_events} SSE events); gateway at the default log level "
+            f"(INFO, access log on) recording into a fresh "
             f"Postgres database (one-row commit p50 here: {commit_ms:.2f} ms); "
             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start"
         )

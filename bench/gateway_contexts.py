@@ -35,7 +35,6 @@ from bench.bench_gateway import (
 
 CONTEXTS = (512, 8192, 32768)
 COMPLETION_TOKENS = 32
-LOG_LEVEL = "INFO"  # the gateway's default: one access-log line per call
 # The goals of issue #14, per non-streamed call unless named otherwise.
 GOAL_CPU_US = 400.0
 GOAL_ADDED_P50_MS = 1.0
@@ -73,7 +72,7 @@ def measure(dsn: str, datname: str, print_fn) -> dict:
         port, pass_port = free_port(), free_port()
         upstream_url = f"http://127.0.0.1:{port}"
         procs = [standin.start(port, context=(tokens, COMPLETION_TOKENS))]
-        gateway = Gateway(upstream_url, dsn, log_dir / f"gateway-{tokens}.log", log_level=LOG_LEVEL)
+        gateway = Gateway(upstream_url, dsn, log_dir / f"gateway-{tokens}.log")
         try:
             procs.append(
                 standin.start(
