@@ -15,8 +15,9 @@ in one run and 1,400 µs in another: that, more than anything the bench did diff
 an outside measurement (1,201 µs) disagreed with it. The same run therefore also measures a bare
 aiohttp pass-through (`bench/gateway_contexts.py`) as the reference the gateway is judged by.
 
-The gateway runs as deployed: at the default log level (INFO: one access-log line per call,
-which costs about 200 µs a call at c=64 here), bodies recorded. After the scenarios below come
+The gateway runs as deployed: at the default log level (INFO: one access-log line per call;
+a line takes 20-40 µs on its own, yet INFO measured 200-240 µs a call dearer than WARNING at
+c=64 on a busy machine), bodies recorded. After the scenarios below come
 the costs by context length (512, 8k and 32k prompt tokens) and the recorder's batch-commit
 variants.
 
