@@ -153,6 +153,7 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     pids: dict[str, list[int]]  # processes whose CPU time is measured, by role
     postgres: tuple[str, str] | None = None  # (server DSN, database): also time its backends
     context_tokens: int = 0  # > 0: the user turn carries about this many tokens of text
+    max_tokens: int | None = None  # replaces the recorded request's
 
 
 class LoadResult(msgspec.Struct, kw_only=True):
@@ -177,6 +178,8 @@ async def loadgen(spec: LoadSpec) -> LoadResult:
     request = json.loads(standin.REQUEST.read_text())
     if spec.context_tokens:
         request = context_request(request, spec.context_tokens)
+    if spec.max_tokens:
+        request["max_tokens"] = spec.max_tokens
     if spec.unknown_turn:
         request["messages"] += json.loads(TOOL_ROUND.read_text())
     if spec.stream:

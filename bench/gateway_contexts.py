@@ -42,21 +42,27 @@ GOAL_CHUNK_US = 15.0
 GOAL_POSTGRES_US = 150.0
 
 
+LONG_STREAM_TOKENS = 256  # a stream this long tells one chunk's cost from a call's
+
+
 class Run(msgspec.Struct, frozen=True):
     stream: bool
     concurrency: int
     seconds: float
     warmup: int
+    tokens: int = COMPLETION_TOKENS
 
     @property
     def name(self) -> str:
-        return f"{'sse' if self.stream else 'json'} c={self.concurrency}"
+        name = f"{'sse' if self.stream else 'json'} c={self.concurrency}"
+        return name if self.tokens == COMPLETION_TOKENS else f"{name} {self.tokens}"
 
 
 RUNS = (
     Run(stream=False, concurrency=1, seconds=3, warmup=30),
     Run(stream=False, concurrency=64, seconds=3, warmup=2),
     Run(stream=True, concurrency=1, seconds=3, warmup=20),
+    Run(stream=True, concurrency=1, seconds=3, warmup=5, tokens=LONG_STREAM_TOKENS),
 )
 
 
@@ -96,8 +102,9 @@ def measure(dsn: str, datname: str, print_fn) -> dict:
             out[tokens] = {side: {} for side in sides}
             for run in RUNS:
                 for side, (url, pid) in sides.items():
-                    if side == "direct" and run.concurrency > 1:
-                        continue  # only the latency baseline of c=1 is needed
+                    baseline = run.concurrency == 1 and run.tokens == COMPLETION_TOKENS
+                    if side == "direct" and not baseline:
+                        continue  # only the latency baselines are needed
                     keys: list[str | None] = [None] * run.concurrency
                     if side == "gateway":
                         keys = [gateway.new_rollout()["api_key"] for _ in keys]
@@ -113,6 +120,7 @@ def measure(dsn: str, datname: str, print_fn) -> dict:
                             pids={"standin": [procs[0].pid], **({"proxy": [pid]} if pid else {})},
                             postgres=(POSTGRES_URL, datname) if side == "gateway" else None,
                             context_tokens=tokens,
+                            max_tokens=run.tokens,
                         )
                     )
                     if r.first_error:
@@ -142,13 +150,16 @@ def measure(dsn: str, datname: str, print_fn) -> dict:
 def row(side: dict, direct: dict) -> dict:
     """One table row (a context through one proxy) from its runs."""
     j1, j64, s1 = side["json c=1"], side["json c=64"], side["sse c=1"]
+    long = side[f"sse c=1 {LONG_STREAM_TOKENS}"]
     return {
         "cpu_c1": j1["cpu_us"],
         "cpu_c64": j64["cpu_us"],
         "added_json": j1["p50_ms"] - direct["json c=1"]["p50_ms"],
         "added_sse": s1["p50_ms"] - direct["sse c=1"]["p50_ms"],
-        # A stream costs the whole call's work plus its chunks': the difference, per chunk.
-        "chunk_us": (s1["cpu_us"] - j1["cpu_us"]) / s1["chunks"] if s1["chunks"] else float("nan"),
+        # Two streams that differ only in their length: the difference, per extra chunk.
+        "chunk_us": (long["cpu_us"] - s1["cpu_us"]) / (long["chunks"] - s1["chunks"])
+        if long["chunks"] > s1["chunks"]
+        else float("nan"),
         "pg_c1": j1["postgres_us"],
         "pg_c64": j64["postgres_us"],
         "rps_c64": j64["rps"],
@@ -187,8 +198,9 @@ def format_table(results: dict) -> str:
     lines.append(
         f"prompt tokens as shown, {COMPLETION_TOKENS} sampled; `!` marks a missed goal. CPU is\n"
         "the proxy process's; PG is Postgres's backends' per recorded call (the pass-through\n"
-        "records nothing). µs/chunk: (streamed - whole) CPU over the stream's chunks; +p50:\n"
-        "over the stand-in reached directly."
+        f"records nothing). µs/chunk: a {LONG_STREAM_TOKENS}-token stream's CPU less a "
+        f"{COMPLETION_TOKENS}-token\none's, over the chunks between them. +p50: over the stand-in "
+        "reached directly."
     )
     return "\n".join(lines)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import random
 import socket
@@ -47,6 +48,7 @@ class _Sent(msgspec.Struct):
 
 class _Flags(msgspec.Struct):
     stream: bool = False
+    max_tokens: int | None = None
     kv_transfer_params: _Sent | None = None
 
 
@@ -97,7 +99,9 @@ class Synthetic(Replies):
     turn), so the gateway stores a delta and its base search compares real prefixes. The prompt
     ids are echoed the way vLLM does with `return_token_ids`: whole in the response, or in the
     first chunk of a stream; a request that fixes its prompt (`kv_transfer_params`
-    `prompt_token_ids`) gets exactly those back."""
+    `prompt_token_ids`) gets exactly those back. A stream has the request's `max_tokens`
+    chunks if it names any (the recorded ones over again past them), so one chunk's cost can
+    be told from a whole call's."""
 
     def __init__(
         self, prompt_tokens: int, completion_tokens: int, fresh_tokens: int = 64, data_dir=DATA
@@ -122,13 +126,23 @@ class Synthetic(Replies):
             for ln in (data_dir / STREAM.name).read_bytes().splitlines()
             if ln.strip()
         ]
-        first, tokens, usage = events[0], events[1 : n + 1], events[-1]
+        first, usage = events[0], events[-1]
         first.pop("prompt_token_ids")
-        tokens[-1]["choices"][0]["finish_reason"] = "length"
         self._first = first
-        self._token_frames = [_chunk(b"data: " + msgspec.json.encode(e) + b"\n\n") for e in tokens]
+        self._tokens = events[1:-1]
+        self._frames: dict[int, list[bytes]] = {}
         self._usage = usage
         self._tail = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+    def _token_frames(self, n: int) -> list[bytes]:
+        frames = self._frames.get(n)
+        if frames is None:
+            events = [self._tokens[i % len(self._tokens)] for i in range(n)]
+            events[-1] = copy.deepcopy(events[-1])
+            events[-1]["choices"][0]["finish_reason"] = "length"
+            frames = [_chunk(b"data: " + msgspec.json.encode(e) + b"\n\n") for e in events]
+            self._frames[n] = frames
+        return frames
 
     def _prompt(self, flags: _Flags) -> tuple[bytes, int]:
         sent = flags.kv_transfer_params
@@ -140,17 +154,14 @@ class Synthetic(Replies):
 
     def answer(self, flags: _Flags) -> list[bytes]:
         prompt, n = self._prompt(flags)
-        usage = {
-            "prompt_tokens": n,
-            "total_tokens": n + self._completion_tokens,
-            "completion_tokens": self._completion_tokens,
-        }
+        sampled = (flags.stream and flags.max_tokens) or self._completion_tokens
+        usage = {"prompt_tokens": n, "total_tokens": n + sampled, "completion_tokens": sampled}
         if not flags.stream:
             body = _with_prompt(self._whole | {"usage": usage}, prompt)
             return [_http("200 OK", b"application/json", body)]
         first = _chunk(b"data: " + _with_prompt(self._first, prompt) + b"\n\n")
         last = _chunk(b"data: " + msgspec.json.encode(self._usage | {"usage": usage}) + b"\n\n")
-        return [self.stream_head, first, *self._token_frames, last, self._tail]
+        return [self.stream_head, first, *self._token_frames(sampled), last, self._tail]
 
 
 def _with_prompt(obj: dict, prompt: bytes) -> bytes:
