@@ -370,6 +370,23 @@ class Gateway:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return json.loads(resp.read())
 
+    def batch_rows(self) -> tuple[float, int]:
+        """(call records, group commits) so far, from the gateway's own metrics."""
+        req = urllib.request.Request(
+            self.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            text = resp.read().decode()
+        values = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("rolltap_recorder_batch_size_sum", "rolltap_recorder_batch_size_count"):
+                values[name] = float(value)
+        return (
+            values.get("rolltap_recorder_batch_size_sum", 0.0),
+            int(values.get("rolltap_recorder_batch_size_count", 0)),
+        )
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()

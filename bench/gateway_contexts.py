@@ -108,6 +108,7 @@ def measure(dsn: str, datname: str, print_fn) -> dict:
                     keys: list[str | None] = [None] * run.concurrency
                     if side == "gateway":
                         keys = [gateway.new_rollout()["api_key"] for _ in keys]
+                    batches0 = gateway.batch_rows() if side == "gateway" else (0.0, 0)
                     r = run_loadgen(
                         LoadSpec(
                             url=url,
@@ -127,7 +128,13 @@ def measure(dsn: str, datname: str, print_fn) -> dict:
                         print_fn(
                             f"  {tokens} {side} {run.name}: {r.errors} errors: {r.first_error}"
                         )
+                    rows, commits = (
+                        (a - b for a, b in zip(gateway.batch_rows(), batches0))
+                        if side == "gateway"
+                        else (0.0, 0)
+                    )
                     out[tokens][side][run.name] = {
+                        "batch_rows": rows / commits if commits else float("nan"),
                         "p50_ms": _p(r.latency_s, 50) * 1e3,
                         "rps": len(r.latency_s) / r.wall_s if r.wall_s else float("nan"),
                         "cpu_us": _per_call(r.cpu_s.get("proxy", float("nan")), r),
@@ -163,6 +170,7 @@ def row(side: dict, direct: dict) -> dict:
         "pg_c1": j1["postgres_us"],
         "pg_c64": j64["postgres_us"],
         "rps_c64": j64["rps"],
+        "batch_c64": j64["batch_rows"],
     }
 
 
@@ -175,6 +183,7 @@ COLUMNS = (  # key, header, digits, goal
     ("pg_c1", "PG µs/call c=1", 0, GOAL_POSTGRES_US),
     ("pg_c64", "PG µs/call c=64", 0, GOAL_POSTGRES_US),
     ("rps_c64", "req/s c=64", 0, None),
+    ("batch_c64", "rows/commit c=64", 1, None),
 )
 
 
@@ -205,15 +214,17 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _best_us(fn, *args, rounds: int = 15, inner: int = 10) -> float:
-    """Best mean of `inner` calls over `rounds`: the least disturbed by a busy machine."""
-    best = float("inf")
+def _best_us(calls: list, rounds: int = 15, inner: int = 10) -> list[float]:
+    """For each (fn, *args) of `calls`: the best mean of `inner` calls over `rounds`, the rounds
+    interleaved so that a busy machine weighs on every variant alike."""
+    best = [float("inf")] * len(calls)
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn(*args)
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best * 1e6
+        for i, (fn, *args) in enumerate(calls):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn(*args)
+            best[i] = min(best[i], (time.perf_counter() - t0) / inner)
+    return [b * 1e6 for b in best]
 
 
 def _ids_before(raw: bytes) -> np.ndarray:
@@ -240,13 +251,9 @@ def prompt_ids_table() -> str:
         raw = msgspec.json.encode({**whole, "prompt_token_ids": ids})
         sent = msgspec.json.encode(ids)
 
-        times = [
-            _best_us(_ids_before, raw),
-            _best_us(_ids_cut, raw, None),
-            _best_us(_ids_cut, raw, sent),
-        ]
+        times = _best_us([(_ids_before, raw), (_ids_cut, raw, None), (_ids_cut, raw, sent)])
         lines.append(f"{tokens:<12}" + "".join(f"{t:>13.0f} µs" for t in times))
-    lines.append("(one whole response: decode + ids to int32; best of 15 rounds)")
+    lines.append("(one whole response: decode + ids to int32; best of 15 interleaved rounds)")
     return "\n".join(lines)
 
 
