@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -40,8 +42,14 @@ COMPLETION_TOKENS = 64
 STREAM_ATTEMPTS = 10
 
 
+class _Sent(msgspec.Struct):
+    prompt_token_ids: msgspec.Raw = msgspec.Raw(b"null")
+
+
 class _Flags(msgspec.Struct):
     stream: bool = False
+    max_tokens: int | None = None
+    kv_transfer_params: _Sent | None = None
 
 
 _flags = msgspec.json.Decoder(_Flags)
@@ -79,6 +87,86 @@ class Replies:
         )
         self.stream_frames = [_chunk(b"data: " + e + b"\n\n") for e in events]
         self.stream_frames.append(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+    def answer(self, flags: _Flags) -> list[bytes]:
+        """What to send for one chat completion request, in writes."""
+        return [self.stream_head, *self.stream_frames] if flags.stream else [self.whole]
+
+
+class Synthetic(Replies):
+    """Replies for a context of `prompt_tokens` and `completion_tokens` sampled ones, cut from
+    the recorded ones. Each call's prompt ends in `fresh_tokens` new ids (the harness's new
+    turn), so the gateway stores a delta and its base search compares real prefixes. The prompt
+    ids are echoed the way vLLM does with `return_token_ids`: whole in the response, or in the
+    first chunk of a stream; a request that fixes its prompt (`kv_transfer_params`
+    `prompt_token_ids`) gets exactly those back. A stream has the request's `max_tokens`
+    chunks if it names any (the recorded ones over again past them), so one chunk's cost can
+    be told from a whole call's."""
+
+    def __init__(
+        self, prompt_tokens: int, completion_tokens: int, fresh_tokens: int = 64, data_dir=DATA
+    ) -> None:
+        super().__init__(data_dir)
+        n = completion_tokens
+        rng = random.Random(prompt_tokens)
+        self._fixed = [rng.randrange(2048) for _ in range(prompt_tokens - fresh_tokens)]
+        self._fresh = fresh_tokens
+        self._rng = rng
+        self._completion_tokens = n
+        whole = msgspec.json.decode((data_dir / WHOLE.name).read_bytes())
+        choice = whole["choices"][0]
+        content = choice["logprobs"]["content"][:n]
+        choice["logprobs"]["content"] = content
+        choice["token_ids"] = choice["token_ids"][:n]
+        choice["message"]["content"] = "".join(e["token"] for e in content)
+        whole.pop("prompt_token_ids")
+        self._whole = whole
+        events = [
+            msgspec.json.decode(ln)
+            for ln in (data_dir / STREAM.name).read_bytes().splitlines()
+            if ln.strip()
+        ]
+        first, usage = events[0], events[-1]
+        first.pop("prompt_token_ids")
+        self._first = first
+        self._tokens = events[1:-1]
+        self._frames: dict[int, list[bytes]] = {}
+        self._usage = usage
+        self._tail = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+    def _token_frames(self, n: int) -> list[bytes]:
+        frames = self._frames.get(n)
+        if frames is None:
+            events = [self._tokens[i % len(self._tokens)] for i in range(n)]
+            events[-1] = copy.deepcopy(events[-1])
+            events[-1]["choices"][0]["finish_reason"] = "length"
+            frames = [_chunk(b"data: " + msgspec.json.encode(e) + b"\n\n") for e in events]
+            self._frames[n] = frames
+        return frames
+
+    def _prompt(self, flags: _Flags) -> tuple[bytes, int]:
+        sent = flags.kv_transfer_params
+        if sent is not None and bytes(sent.prompt_token_ids) != b"null":
+            raw = bytes(sent.prompt_token_ids)
+            return raw, len(msgspec.json.decode(raw))
+        ids = self._fixed + [self._rng.randrange(2048) for _ in range(self._fresh)]
+        return msgspec.json.encode(ids), len(ids)
+
+    def answer(self, flags: _Flags) -> list[bytes]:
+        prompt, n = self._prompt(flags)
+        sampled = (flags.stream and flags.max_tokens) or self._completion_tokens
+        usage = {"prompt_tokens": n, "total_tokens": n + sampled, "completion_tokens": sampled}
+        if not flags.stream:
+            body = _with_prompt(self._whole | {"usage": usage}, prompt)
+            return [_http("200 OK", b"application/json", body)]
+        first = _chunk(b"data: " + _with_prompt(self._first, prompt) + b"\n\n")
+        last = _chunk(b"data: " + msgspec.json.encode(self._usage | {"usage": usage}) + b"\n\n")
+        return [self.stream_head, first, *self._token_frames(sampled), last, self._tail]
+
+
+def _with_prompt(obj: dict, prompt: bytes) -> bytes:
+    """`obj` encoded with `prompt_token_ids` (already encoded) as its last field."""
+    return msgspec.json.encode(obj)[:-1] + b',"prompt_token_ids":' + prompt + b"}"
 
 
 class _Connection(asyncio.Protocol):
@@ -126,15 +214,11 @@ class _Connection(asyncio.Protocol):
         path = rest.partition(b" ")[0].partition(b"?")[0]
         if method == b"post" and path == b"/v1/chat/completions":
             try:
-                stream = _flags.decode(body).stream
+                flags = _flags.decode(body)
             except msgspec.DecodeError:
                 write(r.bad)
                 return
-            if not stream:
-                write(r.whole)
-                return
-            write(r.stream_head)
-            for frame in r.stream_frames:  # one send per event, as a live engine would
+            for frame in r.answer(flags):  # one send per event, as a live engine would
                 write(frame)
         elif method == b"get" and path == b"/v1/models":
             write(r.models)
@@ -144,21 +228,27 @@ class _Connection(asyncio.Protocol):
             write(r.not_found)
 
 
-async def serve(host: str, port: int, data_dir: Path = DATA) -> None:
-    replies = Replies(data_dir)
+async def serve(host: str, port: int, replies: Replies) -> None:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
         lambda: _Connection(replies), host, port, backlog=1024, reuse_address=True
     )
-    print(f"stand-in upstream (replaying {data_dir}) on http://{host}:{port}", flush=True)
+    print(f"stand-in upstream on http://{host}:{port}", flush=True)
     async with server:
         await server.serve_forever()
 
 
-def start(port: int, data_dir: Path = DATA, argv: list[str] | None = None) -> subprocess.Popen:
+def start(
+    port: int,
+    data_dir: Path = DATA,
+    argv: list[str] | None = None,
+    context: tuple[int, int] | None = None,
+) -> subprocess.Popen:
     """The stand-in (or `argv`, another stand-in module) in its own process; returns once it
-    answers `/health`."""
+    answers `/health`. `context`: (prompt, completion) tokens of synthetic replies."""
     argv = argv or ["-m", "bench.standin", "--port", str(port), "--data-dir", str(data_dir)]
+    if context:
+        argv += ["--prompt-tokens", str(context[0]), "--completion-tokens", str(context[1])]
     proc = subprocess.Popen(
         [sys.executable, *argv],
         cwd=Path(__file__).resolve().parents[1],
@@ -289,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
         "--upstream names a running one), then exit",
     )
     parser.add_argument("--upstream", metavar="URL", help="with --record: a running vLLM")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        help="synthetic replies: a prompt of this many tokens (default: the recorded replies)",
+    )
+    parser.add_argument("--completion-tokens", type=int, default=32, help="with --prompt-tokens")
     args = parser.parse_args(argv)
     if args.record:
         print(json.dumps(record(args.data_dir, args.upstream), indent=1))
@@ -296,7 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     try:
-        uvloop.run(serve(args.host, args.port, args.data_dir))
+        replies = (
+            Synthetic(args.prompt_tokens, args.completion_tokens, data_dir=args.data_dir)
+            if args.prompt_tokens
+            else Replies(args.data_dir)
+        )
+        uvloop.run(serve(args.host, args.port, replies))
     except KeyboardInterrupt:
         pass
     return 0

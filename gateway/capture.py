@@ -27,7 +27,7 @@ class Capture:
     )
 
     def __init__(self) -> None:
-        self.prompt_ids: list[int] | None = None
+        self.prompt_ids: np.ndarray | None = None  # int32
         self.completion_ids = array("i")
         self.logprobs = array("f")
         self._version_runs: list[tuple[int, int]] = []  # (token count, version), in order
@@ -43,7 +43,7 @@ class Capture:
         """One streamed chunk of /v1/chat/completions or /v1/completions."""
         prompt = chunk.get("prompt_token_ids")
         if prompt is not None:
-            self.prompt_ids = prompt
+            self.set_prompt(prompt)
         usage = chunk.get("usage")
         if usage:
             self.usage = usage
@@ -52,7 +52,7 @@ class Capture:
                 continue
             prompt = choice.get("prompt_token_ids")  # the completions API puts it here
             if prompt is not None:
-                self.prompt_ids = prompt
+                self.set_prompt(prompt)
             self._add_tokens(choice, version)
             delta = choice.get("delta")
             if delta is not None:
@@ -61,6 +61,13 @@ class Capture:
                 self._text.append(choice["text"])
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
+
+    def set_prompt(self, ids) -> None:
+        """The engine's prompt ids (an int32 array, or the list decoded from its JSON); the
+        first ones given stay: the relay hands them over before the response is fed, as an
+        array (`gateway.engine_ids`)."""
+        if self.prompt_ids is None and isinstance(ids, (list, np.ndarray)):
+            self.prompt_ids = np.asarray(ids, dtype=np.int32)
 
     def add_response(self, resp: dict, version: int) -> None:
         """A whole non-streamed response. `version` is the older of the versions live at the

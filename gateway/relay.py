@@ -15,6 +15,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from gateway import engine_ids
 from gateway.capture import Capture
 from gateway.constraints import CAPTURE_OFF, constraints
 from gateway.continuer import Turn
@@ -50,6 +51,9 @@ STREAM_STARTED = "rolltap.stream_started"
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
+# Protocols that pass the engine's id arrays through (or drop them) without reading them; the
+# others are handed the prompt ids as a list.
+_PASSES_IDS = frozenset({"chat", "completions"})
 
 
 def sampling_policy(temperature: float) -> dict[str, Any]:
@@ -133,6 +137,7 @@ class _Call:
         self.digest = hashlib.blake2b(raw, digest_size=16).digest()
         self.retry_count = 0
         self.turn: Turn | None = None  # the continuation step (chat-completions upstreams)
+        self.sent_prompt: bytes | None = None  # the turn's prompt ids as sent, JSON-encoded
         # For stateful protocols: response object -> what to store for later continuation.
         self.state = None
         self.state_source = None  # the response object (or its bytes) given to the client
@@ -225,7 +230,8 @@ async def relay(
     if proto.UPSTREAM_PATH == "/v1/chat/completions":  # legacy completions has no messages
         call.turn = await svc.continuer.prepare(rollout_id, call.upstream, body)
         if call.turn.prompt_ids is not None:
-            body["kv_transfer_params"] = {"prompt_token_ids": call.turn.prompt_ids.tolist()}
+            call.sent_prompt = _encode(call.turn.prompt_ids.tolist())
+            body["kv_transfer_params"] = {"prompt_token_ids": msgspec.Raw(call.sent_prompt)}
     call._task = asyncio.current_task()
     svc.calls.add(call)
     try:
@@ -291,7 +297,7 @@ async def _whole(request, proto, ctx, call: _Call, resp, version_at_start: int) 
         call.svc.upstreams.failed(call.upstream, message)
         await call.record("failed", message)
         raise GatewayError(502, message, "upstream_error") from None
-    payload = _decode(raw)
+    payload = _engine_payload(call, raw)
     # The tokens were sampled under the version live at the start or the one at the end: stamp
     # the older, so staleness is never underestimated.
     call.capture.add_response(payload, min(version_at_start, call.svc.policy_version))
@@ -329,19 +335,27 @@ async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamRespons
                 if data == b"[DONE]":
                     done = True
                     break
-                chunk = _decode(data)
+                chunk = _decode(data) if cap.prompt_ids is not None else _engine_payload(call, data)
                 if "error" in chunk and not chunk.get("choices"):
                     e = chunk["error"]
                     failure = upstream_error(e.get("code") or 500, _encode(chunk))
                     break
                 cap.add_chunk(chunk, svc.policy_version)
-                if call.ttft_ms is None and len(cap.completion_ids):
+                first_token = call.ttft_ms is None and len(cap.completion_ids)
+                if first_token:
                     call.ttft_ms = (time.perf_counter() - call.started) * 1000
                 try:
                     pieces.append(stream.feed(chunk))
                 except GatewayError as err:  # the protocol cannot express what the engine sent
                     failure = err
                     break
+                if first_token:
+                    # The first token leaves at once, not after the rest of its read is
+                    # translated: an engine that is ahead sends many chunks in one read.
+                    first = b"".join(pieces)
+                    pieces.clear()
+                    if first:
+                        await out.write(first)
             joined = b"".join(pieces)
             if joined:  # an empty write could read as the end of a chunked body
                 await out.write(joined)
@@ -401,6 +415,24 @@ async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamRespons
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         pass  # recorded already; the client left after the last token
     return out
+
+
+def _engine_payload(call: _Call, raw: bytes) -> dict:
+    """The engine's response (or a chunk) decoded, its prompt ids handed to the capture as an
+    array without passing through Python ints. Ids byte for byte those the gateway sent (an
+    exact continuation: vLLM echoes them) are not parsed again."""
+    rest, span = engine_ids.split(raw)
+    if span is None:
+        return _decode(raw)
+    payload = _decode(rest)
+    holder = engine_ids.holder(payload)
+    if holder is None:  # an id array nested where the engine puts none: decoded as it came
+        return _decode(raw)
+    sent = call.sent_prompt
+    ids = call.turn.prompt_ids if sent is not None and span == sent else engine_ids.parse(span)
+    call.capture.set_prompt(ids)
+    holder[engine_ids.KEY] = msgspec.Raw(span) if call.protocol in _PASSES_IDS else ids.tolist()
+    return payload
 
 
 async def _record_abandoned(call: _Call) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -81,6 +82,7 @@ async def _serve(cfg) -> None:
         # Sandboxes run as uids of their own; connecting to a socket needs write permission.
         cfg.unix_socket.chmod(0o666)
         print(f"rolltap gateway also listening on unix:{cfg.unix_socket}", flush=True)
+    settle_heap()
     print(
         f"rolltap gateway listening on http://{cfg.host}:{cfg.port} "
         f"(public {cfg.public_url}); upstreams: {', '.join(cfg.upstreams)}",
@@ -98,6 +100,25 @@ async def _serve(cfg) -> None:
         await runner.cleanup()  # commits queued records (the recorder drains on close)
         await pool.close()
     print("rolltap gateway: stopped", flush=True)
+
+
+# Collections measured under the gateway bench's load (gc.callbacks, 512-token calls, 64
+# harnesses): with Python's default thresholds (700, 10, 10) collecting took about 120 µs a
+# call, and the full collections (~50 ms each) traverse every module, class and function
+# loaded at start-up, while all of them found almost nothing to free (cycles are rare on the
+# request path). Ten thousand young objects between collections cut that to about 20 µs;
+# freezing the start-up heap makes the full collections that still come short (~15 ms).
+# Together: 1,200 -> 890 µs of CPU per call at c=64; at c=1 collections are too rare to
+# matter either way.
+GC_THRESHOLDS = (10_000, 20, 20)
+
+
+def settle_heap() -> None:
+    """Once start-up is done: what exists now lives as long as the process, so the collector
+    stops traversing it, and collects the young generation less often."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 async def _drain(runner, svc, timeout_s: float) -> None:

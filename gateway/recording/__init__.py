@@ -72,7 +72,8 @@ class Recording:
         Raises a GatewayError the client can be given if it was not."""
         cap = call.capture
         rollout_id = call.rollout_id
-        prompt = np.asarray(cap.prompt_ids or (), dtype=IDS)
+        prompt = cap.prompt_ids if cap.prompt_ids is not None else np.zeros(0, IDS)
+        prompt = prompt.astype(IDS, copy=False)
         completion = np.frombuffer(cap.completion_ids, dtype=np.int32).astype(IDS, copy=False)
         try:
             candidates = self._recent.get(rollout_id)

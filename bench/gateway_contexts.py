@@ -1,0 +1,268 @@
+"""The gateway's cost per call as a deployment pays it, by context length: part of the gateway
+section (`bench/bench_gateway.py`).
+
+Each context (512, 8k and 32k prompt tokens, 32 sampled) gets a synthetic stand-in (recorded
+vLLM replies cut to 32 tokens, prompt ids echoed as vLLM's `return_token_ids` does, the last 64
+prompt ids new on every call as a harness's next turn makes them), a bare aiohttp pass-through
+in front of it as the reference, and a gateway run as an operator runs it: the default log
+level (INFO, one access-log line per call), bodies recorded, every call committed. The harness
+request carries its context as text, so request parsing, hashing and compression grow with it.
+
+Postgres CPU is its backends' user + system time from /proc over the measured phase (the
+gateway's pool connections), divided by the calls recorded in it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from bench import standin
+from bench.bench_gateway import (
+    POSTGRES_URL,
+    Gateway,
+    LoadResult,
+    LoadSpec,
+    _num,
+    _p,
+    free_port,
+    run_loadgen,
+)
+
+CONTEXTS = (512, 8192, 32768)
+COMPLETION_TOKENS = 32
+# The goals of issue #14, per non-streamed call unless named otherwise.
+GOAL_CPU_US = 400.0
+GOAL_ADDED_P50_MS = 1.0
+GOAL_CHUNK_US = 15.0
+GOAL_POSTGRES_US = 150.0
+
+
+LONG_STREAM_TOKENS = 256  # a stream this long tells one chunk's cost from a call's
+
+
+class Run(msgspec.Struct, frozen=True):
+    stream: bool
+    concurrency: int
+    seconds: float
+    warmup: int
+    tokens: int = COMPLETION_TOKENS
+
+    @property
+    def name(self) -> str:
+        name = f"{'sse' if self.stream else 'json'} c={self.concurrency}"
+        return name if self.tokens == COMPLETION_TOKENS else f"{name} {self.tokens}"
+
+
+RUNS = (
+    Run(stream=False, concurrency=1, seconds=3, warmup=30),
+    Run(stream=False, concurrency=64, seconds=3, warmup=2),
+    Run(stream=True, concurrency=1, seconds=3, warmup=20),
+    Run(stream=True, concurrency=1, seconds=3, warmup=5, tokens=LONG_STREAM_TOKENS),
+)
+
+
+def _per_call(seconds: float, r: LoadResult) -> float:
+    return seconds * 1e6 / len(r.latency_s) if r.latency_s else float("nan")
+
+
+def measure(dsn: str, datname: str, print_fn) -> dict:
+    """{context: {side: {run name: numbers}}} for every context, side and run."""
+    out: dict[int, dict] = {}
+    log_dir = Path(tempfile.mkdtemp(prefix="rolltap-bench-ctx-"))
+    for tokens in CONTEXTS:
+        port, pass_port = free_port(), free_port()
+        upstream_url = f"http://127.0.0.1:{port}"
+        procs = [standin.start(port, context=(tokens, COMPLETION_TOKENS))]
+        gateway = Gateway(upstream_url, dsn, log_dir / f"gateway-{tokens}.log")
+        try:
+            procs.append(
+                standin.start(
+                    pass_port,
+                    argv=[
+                        "-m",
+                        "bench.passthrough",
+                        "--port",
+                        str(pass_port),
+                        "--upstream",
+                        upstream_url,
+                    ],
+                )  # fmt: skip
+            )
+            gateway.start()
+            sides = {
+                "direct": (upstream_url, None),
+                "aiohttp pass-through": (f"http://127.0.0.1:{pass_port}", procs[1].pid),
+                "gateway": (gateway.url, gateway.proc.pid),
+            }
+            out[tokens] = {side: {} for side in sides}
+            for run in RUNS:
+                for side, (url, pid) in sides.items():
+                    baseline = run.concurrency == 1 and run.tokens == COMPLETION_TOKENS
+                    if side == "direct" and not baseline:
+                        continue  # only the latency baselines are needed
+                    keys: list[str | None] = [None] * run.concurrency
+                    if side == "gateway":
+                        keys = [gateway.new_rollout()["api_key"] for _ in keys]
+                    batches0 = gateway.batch_rows() if side == "gateway" else (0.0, 0)
+                    r = run_loadgen(
+                        LoadSpec(
+                            url=url,
+                            keys=keys,
+                            stream=run.stream,
+                            unknown_turn=False,
+                            requests=100_000,
+                            seconds=run.seconds,
+                            warmup=run.warmup,
+                            pids={"standin": [procs[0].pid], **({"proxy": [pid]} if pid else {})},
+                            postgres=(POSTGRES_URL, datname) if side == "gateway" else None,
+                            context_tokens=tokens,
+                            max_tokens=run.tokens,
+                        )
+                    )
+                    if r.first_error:
+                        print_fn(
+                            f"  {tokens} {side} {run.name}: {r.errors} errors: {r.first_error}"
+                        )
+                    rows, commits = (
+                        (a - b for a, b in zip(gateway.batch_rows(), batches0))
+                        if side == "gateway"
+                        else (0.0, 0)
+                    )
+                    out[tokens][side][run.name] = {
+                        "batch_rows": rows / commits if commits else float("nan"),
+                        "p50_ms": _p(r.latency_s, 50) * 1e3,
+                        "rps": len(r.latency_s) / r.wall_s if r.wall_s else float("nan"),
+                        "cpu_us": _per_call(r.cpu_s.get("proxy", float("nan")), r),
+                        "postgres_us": _per_call(r.cpu_s.get("postgres", float("nan")), r),
+                        "chunks": _p(r.chunks, 50) if r.chunks else 0,
+                        "errors": r.errors,
+                    }
+            print_fn(f"  context {tokens}: measured")
+        except Exception:
+            print_fn(f"gateway log, last lines:\n{gateway.log_tail()}")
+            raise
+        finally:
+            gateway.stop()
+            for proc in procs:
+                proc.terminate()
+                proc.wait(10)
+    return out
+
+
+def row(side: dict, direct: dict) -> dict:
+    """One table row (a context through one proxy) from its runs."""
+    j1, j64, s1 = side["json c=1"], side["json c=64"], side["sse c=1"]
+    long = side[f"sse c=1 {LONG_STREAM_TOKENS}"]
+    return {
+        "cpu_c1": j1["cpu_us"],
+        "cpu_c64": j64["cpu_us"],
+        "added_json": j1["p50_ms"] - direct["json c=1"]["p50_ms"],
+        "added_sse": s1["p50_ms"] - direct["sse c=1"]["p50_ms"],
+        # Two streams that differ only in their length: the difference, per extra chunk.
+        "chunk_us": (long["cpu_us"] - s1["cpu_us"]) / (long["chunks"] - s1["chunks"])
+        if long["chunks"] > s1["chunks"]
+        else float("nan"),
+        "pg_c1": j1["postgres_us"],
+        "pg_c64": j64["postgres_us"],
+        "rps_c64": j64["rps"],
+        "batch_c64": j64["batch_rows"],
+    }
+
+
+COLUMNS = (  # key, header, digits, goal
+    ("cpu_c1", "CPU µs/call c=1", 0, GOAL_CPU_US),
+    ("cpu_c64", "CPU µs/call c=64", 0, GOAL_CPU_US),
+    ("added_json", "+p50 ms json", 2, GOAL_ADDED_P50_MS),
+    ("added_sse", "+p50 ms sse", 2, GOAL_ADDED_P50_MS),
+    ("chunk_us", "CPU µs/chunk", 1, GOAL_CHUNK_US),
+    ("pg_c1", "PG µs/call c=1", 0, GOAL_POSTGRES_US),
+    ("pg_c64", "PG µs/call c=64", 0, GOAL_POSTGRES_US),
+    ("rps_c64", "req/s c=64", 0, None),
+    ("batch_c64", "rows/commit c=64", 1, None),
+)
+
+
+def format_table(results: dict) -> str:
+    head = f"{'context':<9}{'proxy':<22}" + "".join(f"{h:>17}" for _, h, _, _ in COLUMNS)
+    lines = [head, "-" * len(head)]
+    for tokens, sides in results.items():
+        for side in ("gateway", "aiohttp pass-through"):
+            r = row(sides[side], sides["direct"])
+            cells = []
+            for key, _, digits, goal in COLUMNS:
+                mark = "" if goal is None or side != "gateway" or r[key] <= goal else " !"
+                sign = "+" if key.startswith("added") else ""
+                cells.append(f"{_num(r[key], digits, sign) + mark:>17}")
+            lines.append(f"{tokens:<9}{side:<22}" + "".join(cells))
+    goals = "".join(
+        f"{'' if goal is None else ('≤ +' if key.startswith('added') else '≤ ') + f'{goal:g}':>17}"
+        for key, _, _, goal in COLUMNS
+    )
+    lines.append(f"{'goal':<9}{'(issue #14)':<22}" + goals)
+    lines.append(
+        f"prompt tokens as shown, {COMPLETION_TOKENS} sampled; `!` marks a missed goal. CPU is\n"
+        "the proxy process's; PG is Postgres's backends' per recorded call (the pass-through\n"
+        f"records nothing). µs/chunk: a {LONG_STREAM_TOKENS}-token stream's CPU less a "
+        f"{COMPLETION_TOKENS}-token\none's, over the chunks between them. +p50: over the stand-in "
+        "reached directly."
+    )
+    return "\n".join(lines)
+
+
+def _best_us(calls: list, rounds: int = 15, inner: int = 10) -> list[float]:
+    """For each (fn, *args) of `calls`: the best mean of `inner` calls over `rounds`, the rounds
+    interleaved so that a busy machine weighs on every variant alike."""
+    best = [float("inf")] * len(calls)
+    for _ in range(rounds):
+        for i, (fn, *args) in enumerate(calls):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn(*args)
+            best[i] = min(best[i], (time.perf_counter() - t0) / inner)
+    return [b * 1e6 for b in best]
+
+
+def _ids_before(raw: bytes) -> np.ndarray:
+    return np.asarray(msgspec.json.decode(raw)["prompt_token_ids"], dtype=np.int32)
+
+
+def _ids_cut(raw: bytes, sent: bytes | None):
+    from gateway import engine_ids
+
+    rest, span = engine_ids.split(raw)
+    engine_ids.holder(msgspec.json.decode(rest))
+    return span == sent if sent is not None else engine_ids.parse(span)
+
+
+def prompt_ids_table() -> str:
+    """The capture's cost for the echoed prompt ids of one whole response, by context: decoded
+    with the response and converted (before), cut out and parsed in bulk, and compared with the
+    ids the gateway sent (an exact continuation)."""
+    whole = msgspec.json.decode(standin.WHOLE.read_bytes())
+    rng = np.random.default_rng(0)
+    lines = [f"{'prompt ids':<12}{'list (before)':>16}{'bulk parse':>14}{'sent = echoed':>16}"]
+    for tokens in CONTEXTS:
+        ids = rng.integers(0, 150_000, tokens).tolist()
+        raw = msgspec.json.encode({**whole, "prompt_token_ids": ids})
+        sent = msgspec.json.encode(ids)
+
+        times = _best_us([(_ids_before, raw), (_ids_cut, raw, None), (_ids_cut, raw, sent)])
+        lines.append(f"{tokens:<12}" + "".join(f"{t:>13.0f} µs" for t in times))
+    lines.append("(one whole response: decode + ids to int32; best of 15 interleaved rounds)")
+    return "\n".join(lines)
+
+
+def run(dsn: str, datname: str, print_fn) -> dict:
+    started = time.monotonic()
+    print_fn(prompt_ids_table())
+    results = measure(dsn, datname, print_fn)
+    print_fn(format_table(results))
+    print_fn(f"(contexts table: {time.monotonic() - started:.0f} s)")
+    return {
+        str(k): {s: row(v[s], v["direct"]) for s in v if s != "direct"} for k, v in results.items()
+    }
