@@ -223,8 +223,8 @@ async def get_backlog(request: web.Request) -> web.Response:
     if not run_id or "\x00" in run_id:
         raise GatewayError(400, "give the run: GET /admin/backlog?run_id=RUN", param="run_id")
     async with svc.pool.acquire() as conn:
-        running, untrained = await rollouts_store.backlog(conn, run_id)
-    return _json({"run_id": run_id, "running": running, "untrained": untrained})
+        running, waiting = await rollouts_store.backlog(conn, run_id)
+    return _json({"run_id": run_id, "running": running, "waiting": waiting})
 
 
 @routes.get("/admin/rollouts/{rollout_id}/traces")

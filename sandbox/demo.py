@@ -180,6 +180,9 @@ def _show_calls(admin, upstream: str, rollout_id: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
+    # A SIGTERM ends the demo through its `finally` blocks, which stop the servers it started;
+    # the default action would leave them running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.model == "smol":
         from sandbox.real_demo import run_real
 

@@ -62,7 +62,7 @@ class FinishReply(msgspec.Struct, frozen=True):
 class Backlog(msgspec.Struct, frozen=True):
     run_id: str
     running: int
-    untrained: int  # ended, not yet consumed (or put aside) by a trainer bridge
+    waiting: int  # ended, not yet taken by a trainer bridge
 
 
 Method = Literal["GET", "POST"]

@@ -13,9 +13,10 @@ state file, so a resumed run does them again. The admin key stays in this proces
 file is among the paths a sandbox hides from its agent.
 
 With `max_backlog`, the runner stays at most that many rollouts ahead of training: a rollout
-starts only while the run's rollouts in flight plus those ended but not yet consumed by a
-trainer bridge (GET /admin/backlog) are fewer. Samples then wait for the trainer for at most
-about max_backlog / group_size optimizer steps, instead of growing stale while the runner races
+starts only while the run's rollouts in flight plus those ended that no trainer bridge has taken
+yet (GET /admin/backlog) are fewer. A bridge takes groups into its own bounded queue as its
+trainer needs them (however many samples one optimizer step packs), so samples then wait for
+at most that queue plus max_backlog rollouts, instead of growing stale while the runner races
 ahead.
 """
 
@@ -217,7 +218,7 @@ class _Run:
             started = time.monotonic()
             while self.max_backlog is not None and not self.stop.is_set():
                 backlog = await self.admin.backlog(self.run_id)
-                if self.in_flight + backlog.untrained < self.max_backlog:
+                if self.in_flight + backlog.waiting < self.max_backlog:
                     break
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), BACKLOG_POLL_S)

@@ -95,11 +95,12 @@ def test_opencode_runs_an_example_task_end_to_end(gateway, vllm_server, tmp_path
     assert state["merge"]["stats"]["lost_tokens"] == 0
 
 
-def test_runner_stays_within_its_backlog_of_untrained_rollouts(gateway, vllm_server,
+def test_runner_stays_within_its_backlog(gateway, vllm_server,
                                                                database_url, tmp_path):
     """With max_backlog 2, a rollout starts only while the run's rollouts in flight plus those
-    waiting to be trained are fewer than 2. The test plays the trainer: it consumes each ended
-    rollout a while after it ends, as a bridge would after its optimizer step."""
+    waiting for a trainer bridge are fewer than 2. The test plays the bridge: it takes each
+    ended rollout a while after it ends (as a bridge releases a group to its trainer), and
+    consumes it."""
     import asyncpg
 
     from sandbox.state import RunHeader, StateFile
@@ -120,7 +121,7 @@ def test_runner_stays_within_its_backlog_of_untrained_rollouts(gateway, vllm_ser
             while not done.is_set():
                 await asyncio.sleep(1.5)
                 await conn.execute(
-                    f"UPDATE rollouts SET consumed_at = now() WHERE {mine}"
+                    f"UPDATE rollouts SET released_at = now(), consumed_at = now() WHERE {mine}"
                     " AND status <> 'running' AND consumed_at IS NULL", run_id)
 
         consuming = asyncio.ensure_future(trainer())
@@ -153,6 +154,6 @@ def test_runner_stays_within_its_backlog_of_untrained_rollouts(gateway, vllm_ser
                                  max_backlog=1))
     # The endpoint the runner polls: the run is named, or the caller is told how to.
     assert gateway.admin.get("/admin/backlog", params={"run_id": run_id}).json() == {
-        "run_id": run_id, "running": 0, "untrained": 0}
+        "run_id": run_id, "running": 0, "waiting": 0}
     missing = gateway.admin.get("/admin/backlog")
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "run_id"

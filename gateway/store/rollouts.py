@@ -20,16 +20,16 @@ def identity(row) -> dict:
 
 
 async def backlog(conn: asyncpg.Connection, run_id: str) -> tuple[int, int]:
-    """(running, untrained) rollouts of a runner's run: untrained ones ended but no bridge has
-    consumed or put them aside yet."""
+    """(running, waiting) rollouts of a runner's run: waiting ones ended, and no trainer bridge
+    has taken them yet (released their group to its trainer, consumed or put them aside)."""
     row = await conn.fetchrow(
         "SELECT count(*) FILTER (WHERE status = 'running') AS running,"
-        " count(*) FILTER (WHERE status <> 'running' AND consumed_at IS NULL"
-        "                  AND quarantined_at IS NULL) AS untrained"
+        " count(*) FILTER (WHERE status <> 'running' AND released_at IS NULL"
+        "                  AND consumed_at IS NULL AND quarantined_at IS NULL) AS waiting"
         " FROM rollouts WHERE metadata @> jsonb_build_object('run_id', $1::text)",
         run_id,
     )
-    return row["running"], row["untrained"]
+    return row["running"], row["waiting"]
 
 
 async def create(
