@@ -14,23 +14,22 @@ import msgspec
 import numpy as np
 
 KEY = "prompt_token_ids"
-_FIELD = b'"prompt_token_ids":['
-_SENTINEL = b'"prompt_token_ids":0'
 _INT32_MAX = 2**31 - 1
 
 
-def split(raw: bytes) -> tuple[bytes, bytes | None]:
-    """(`raw` with its first prompt id array replaced by the number 0, the array's bytes), or
-    (`raw`, None) if it has none. The key cannot be matched inside a JSON string (its quote
+def split(raw: bytes, key: str = KEY) -> tuple[bytes, bytes | None]:
+    """(`raw` with its first id array under `key` replaced by the number 0, the array's bytes),
+    or (`raw`, None) if it has none. The key cannot be matched inside a JSON string (its quote
     before the colon would be escaped there); `holder` tells which object it belonged to."""
-    at = raw.find(_FIELD)
+    field = b'"%s":[' % key.encode()
+    at = raw.find(field)
     if at < 0:
         return raw, None
-    start = at + len(_FIELD) - 1
+    start = at + len(field) - 1
     end = raw.find(b"]", start)  # an array of numbers holds no other bracket
     if end < 0:
         return raw, None
-    return raw[:at] + _SENTINEL + raw[end + 1 :], raw[start : end + 1]
+    return raw[:at] + field[:-1] + b"0" + raw[end + 1 :], raw[start : end + 1]
 
 
 def holder(payload) -> dict | None:
@@ -39,16 +38,17 @@ def holder(payload) -> dict | None:
     was nested anywhere else."""
     if not isinstance(payload, dict):
         return None
-    if _is_sentinel(payload.get(KEY)):
+    if is_sentinel(payload.get(KEY)):
         return payload
     choices = payload.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        if _is_sentinel(choices[0].get(KEY)):
+        if is_sentinel(choices[0].get(KEY)):
             return choices[0]
     return None
 
 
-def _is_sentinel(value) -> bool:
+def is_sentinel(value) -> bool:
+    """Whether a decoded `split` response holds the cut-out array's placeholder here."""
     return type(value) is int and value == 0
 
 
@@ -69,17 +69,26 @@ def _parse_plain(span: bytes) -> np.ndarray | None:
     inner = span[1:-1]
     if not inner:
         return np.zeros(0, dtype=np.int32)
-    if inner.translate(None, b"0123456789,") or inner[:1] == b"," or inner[-1:] == b",":
+    if not plain(inner):
         return None
-    try:
-        ids = np.fromstring(inner, dtype=np.int64, sep=",")
-    except ValueError:  # an empty element: `,,`
-        return None
+    ids = np.fromstring(inner, dtype=np.int64, sep=",")
     if ids.max() > _INT32_MAX:  # (int64 saturates)
         return None
-    if _leading_zero(inner):  # not JSON, and parsing would hide it
-        return None
     return ids.astype(np.int32)
+
+
+def plain(inner: bytes) -> bool:
+    """Whether `inner`, the text of an id array between its brackets, holds ids as vLLM writes
+    them: numbers without sign, fraction or leading zero, separated by single commas. Two such
+    texts are equal exactly where their ids are, so they can be compared as bytes."""
+    return (
+        bool(inner)
+        and not inner.translate(None, b"0123456789,")
+        and inner[:1] != b","
+        and inner[-1:] != b","
+        and b",," not in inner
+        and not _leading_zero(inner)  # not JSON, and parsing would hide it
+    )
 
 
 def _leading_zero(inner: bytes) -> bool:

@@ -27,6 +27,7 @@ import aiohttp
 import msgspec
 import numpy as np
 
+from gateway import engine_ids
 from gateway.continuation import CONTEXT_FIELDS, context_key
 from gateway.protocols.errors import GatewayError
 from gateway.upstream import Upstreams
@@ -85,11 +86,28 @@ def split_around(turn: list[int], full: list[int], by: str) -> Around | None:
     return Around(tuple(turn[-_TURN_END_TOKENS:]), full[n:], by)
 
 
-class _Rendered(msgspec.Struct):
-    token_ids: list[int]
+_PLAIN_MAX_DIGITS = 11  # a number of a plain id array and its comma
+_COMMA = ord(",")
 
 
-_decode_rendered = msgspec.json.Decoder(_Rendered).decode
+def split_spans(turn: bytes, full: bytes, by: str) -> Around | None:
+    """`split_around` of two renders as the engine wrote them (JSON id arrays), without turning
+    the conversation into Python ints: compact arrays share their first ids exactly when one's
+    text opens the other's up to a comma, so only the turn's last ids and the tail are parsed.
+    Arrays written otherwise (whitespace, anything but digits and commas) are parsed whole."""
+    t, f = turn[1:-1], full[1:-1]
+    if not (engine_ids.plain(f) and engine_ids.plain(t)):
+        return split_around(engine_ids.parse(turn).tolist(), engine_ids.parse(full).tolist(), by)
+    if not f.startswith(t) or (len(f) > len(t) and f[len(t)] != _COMMA):
+        return None
+    end = t[-_TURN_END_TOKENS * _PLAIN_MAX_DIGITS - _PLAIN_MAX_DIGITS :].split(b",")
+    return Around(
+        tuple(int(x) for x in end[-_TURN_END_TOKENS:]),
+        engine_ids.parse(b"[" + f[len(t) + 1 :] + b"]").tolist(),
+        by,
+    )
+
+
 _encode = msgspec.json.encode
 
 
@@ -98,6 +116,14 @@ class EngineRenderer:
         self._upstreams = upstreams
 
     async def render(self, upstream: str, body: dict) -> list[int]:
+        span = await self._span(upstream, body)
+        try:
+            return engine_ids.parse(span).tolist()
+        except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
+            raise RenderError(f"{RENDER_PATH} answered unreadable ids: {exc}") from exc
+
+    async def _span(self, upstream: str, body: dict) -> bytes:
+        """The rendered ids as the engine wrote them: a JSON array."""
         try:
             resp = await self._upstreams.post(upstream, RENDER_PATH, _encode(body))
         except GatewayError as exc:
@@ -109,18 +135,29 @@ class EngineRenderer:
             raise RenderError(f"{RENDER_PATH} broke off: {exc or type(exc).__name__}") from exc
         if resp.status != 200:
             raise RenderError(f"{RENDER_PATH} answered {resp.status}: {raw[:500]!r}")
+        rest, span = engine_ids.split(raw, "token_ids")
         try:
-            return _decode_rendered(raw).token_ids
+            rendered = msgspec.json.decode(rest)
         except msgspec.DecodeError as exc:
             raise RenderError(f"{RENDER_PATH} answered unreadable JSON: {exc}") from exc
+        if (
+            span is None
+            or not isinstance(rendered, dict)
+            or not engine_ids.is_sentinel(rendered.get("token_ids"))
+        ):
+            raise RenderError(f"{RENDER_PATH} answered no token_ids: {raw[:500]!r}")
+        return span
 
     async def around(self, upstream: str, body: dict, upto: int) -> Around | None:
         """`body` rendered around its message `upto - 1` (the reply it continues)."""
         turn, full = await asyncio.gather(
-            self.render(upstream, render_body(body, body["messages"][:upto], ending="none")),
-            self.render(upstream, render_body(body, body["messages"], ending="request")),
+            self._span(upstream, render_body(body, body["messages"][:upto], ending="none")),
+            self._span(upstream, render_body(body, body["messages"], ending="request")),
         )
-        return split_around(turn, full, "engine")
+        try:
+            return split_spans(turn, full, "engine")
+        except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
+            raise RenderError(f"{RENDER_PATH} answered unreadable ids: {exc}") from exc
 
 
 # -- local rendering ------------------------------------------------------------------------------
