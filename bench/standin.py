@@ -166,16 +166,15 @@ class Synthetic(Replies):
             raw = bytes(sent.prompt_token_ids)
             return raw, len(msgspec.json.decode(raw))
         if self._template:
-            ids = standin_template.render(msgspec.json.decode(body)).tolist()
-            return msgspec.json.encode(ids), len(ids)
+            return standin_template.render_json(msgspec.json.decode(body))
         ids = self._fixed + [self._rng.randrange(2048) for _ in range(self._fresh)]
         return msgspec.json.encode(ids), len(ids)
 
     def render(self, body: bytes) -> bytes:
         if not self._template:
             return self.not_found
-        ids = standin_template.render(msgspec.json.decode(body)).tolist()
-        return _http("200 OK", b"application/json", msgspec.json.encode({"token_ids": ids}))
+        ids, _ = standin_template.render_json(msgspec.json.decode(body))
+        return _http("200 OK", b"application/json", b'{"token_ids":' + ids + b"}")
 
     def answer(self, flags: _Flags, body: bytes) -> list[bytes]:
         prompt, n = self._prompt(flags, body)

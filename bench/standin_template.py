@@ -46,12 +46,34 @@ def message_ids(message: dict) -> np.ndarray:
 
 def render(body: dict) -> np.ndarray:
     """The prompt ids of a chat request (or a render request: `add_generation_prompt`)."""
-    parts = []
+    text, _ = render_json(body)
+    return np.asarray(msgspec.json.decode(text), dtype=np.int64)
+
+
+# message (as JSON) -> its ids as JSON text without brackets, and how many: a conversation's
+# messages come again on each of its calls, and the stand-in must not be the bottleneck.
+_cache: dict[bytes, tuple[bytes, int]] = {}
+_CACHE_ENTRIES = 1 << 14
+
+
+def _message_json(message: dict) -> tuple[bytes, int]:
+    key = msgspec.json.encode(message)
+    hit = _cache.get(key)
+    if hit is None:
+        ids = message_ids(message)
+        hit = _cache[key] = (msgspec.json.encode(ids.tolist())[1:-1], ids.size)
+        if len(_cache) > _CACHE_ENTRIES:
+            del _cache[next(iter(_cache))]
+    return hit
+
+
+def render_json(body: dict) -> tuple[bytes, int]:
+    """`render(body)` as a JSON array, and its length."""
+    messages = list(body.get("messages") or ())
     if body.get("tools"):
-        parts.append(
-            message_ids({"role": "system", "content": msgspec.json.encode(body["tools"]).decode()})
-        )
-    parts.extend(message_ids(m) for m in body.get("messages") or ())
+        tools = msgspec.json.encode(body["tools"]).decode()
+        messages.insert(0, {"role": "system", "content": tools})
+    parts = [_message_json(m) for m in messages]
     if body.get("add_generation_prompt", True):
-        parts.append(_GENERATION)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        parts.append((b"%d,%d,%d" % tuple(_GENERATION), _GENERATION.size))
+    return b"[" + b",".join(p for p, _ in parts) + b"]", sum(n for _, n in parts)

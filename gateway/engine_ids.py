@@ -10,11 +10,14 @@ not parsed at all.
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 import numpy as np
 
 KEY = "prompt_token_ids"
 _INT32_MAX = 2**31 - 1
+_EMPTY = re.compile(rb"\[\s*\]")
 
 
 def split(raw: bytes, key: str = KEY) -> tuple[bytes, bytes | None]:
@@ -75,6 +78,16 @@ def _parse_plain(span: bytes) -> np.ndarray | None:
     if ids.max() > _INT32_MAX:  # (int64 saturates)
         return None
     return ids.astype(np.int32)
+
+
+def join(a: bytes, b: bytes) -> bytes:
+    """The JSON array of `a`'s items followed by `b`'s (both JSON arrays): the text of a long
+    id array extended without passing its ids through Python ints."""
+    if _EMPTY.fullmatch(a):
+        return b
+    if _EMPTY.fullmatch(b):
+        return a
+    return a[:-1] + b"," + b[1:]
 
 
 def plain(inner: bytes) -> bool:
