@@ -86,23 +86,20 @@ def split_around(turn: list[int], full: list[int], by: str) -> Around | None:
     return Around(tuple(turn[-_TURN_END_TOKENS:]), full[n:], by)
 
 
-_PLAIN_MAX_DIGITS = 11  # a number of a plain id array and its comma
 _COMMA = ord(",")
 
 
 def split_spans(turn: bytes, full: bytes, by: str) -> Around | None:
     """`split_around` of two renders as the engine wrote them (JSON id arrays), without turning
-    the conversation into Python ints: compact arrays share their first ids exactly when one's
-    text opens the other's up to a comma, so only the turn's last ids and the tail are parsed.
-    Arrays written otherwise (whitespace, anything but digits and commas) are parsed whole."""
+    the conversation into Python ints: when the turn's text opens the full one's up to a comma,
+    their ids agree that far, and only the turn's last ids and the tail are parsed. Otherwise
+    (a rewritten history, or arrays written with other spacing) both are parsed whole."""
     t, f = turn[1:-1], full[1:-1]
-    if not (engine_ids.plain(f) and engine_ids.plain(t)):
+    if not (t.strip() and f.startswith(t) and (len(f) == len(t) or f[len(t)] == _COMMA)):
         return split_around(engine_ids.parse(turn).tolist(), engine_ids.parse(full).tolist(), by)
-    if not f.startswith(t) or (len(f) > len(t) and f[len(t)] != _COMMA):
-        return None
-    end = t[-_TURN_END_TOKENS * _PLAIN_MAX_DIGITS - _PLAIN_MAX_DIGITS :].split(b",")
+    end = t.rsplit(b",", _TURN_END_TOKENS)[-_TURN_END_TOKENS:]
     return Around(
-        tuple(int(x) for x in end[-_TURN_END_TOKENS:]),
+        tuple(int(x) for x in end),
         engine_ids.parse(b"[" + f[len(t) + 1 :] + b"]").tolist(),
         by,
     )

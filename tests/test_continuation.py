@@ -362,7 +362,7 @@ token_ids = st.lists(st.integers(0, 2**27) | st.sampled_from([0, 1, 10, 100]), m
 def test_split_spans_is_split_around_of_the_parsed_renders(turn, tail, other, spaced):
     # As the engine writes them (compact), or with spaces (parsed whole then).
     def dump(ids):
-        return json.dumps(ids, separators=None if spaced else (",", ":")).encode()
+        return json.dumps(ids, separators=(",   ", ":") if spaced else (",", ":")).encode()
 
     for full in (turn + tail, other, turn[:-1], turn[:-1] + [turn[-1] * 10 + 1]):
         assert split_spans(dump(turn), dump(full), "engine") == split_around(turn, full, "engine")
