@@ -119,7 +119,7 @@ async def conversations(spec: ConversationSpec) -> ConversationResult:
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         warm = await phase(session, lambda h: [0] * spec.turns, {})
-        if warm.errors:
+        if not warm.ok:  # a few refusals (a busy database's 503) are counted when measured
             raise RuntimeError(f"warm-up failed: {warm.first_error}")
         pids = dict(spec.pids)
         if spec.postgres:
