@@ -87,7 +87,7 @@ def join(a: bytes, b: bytes) -> bytes:
         return b
     if _EMPTY.fullmatch(b):
         return a
-    return a[:-1] + b"," + b[1:]
+    return b"".join((memoryview(a)[:-1], b",", memoryview(b)[1:]))  # one copy
 
 
 def plain(inner: bytes) -> bool:
