@@ -250,11 +250,11 @@ def format_table(results: dict) -> str:
     lines.append(f"{'goal':<9}{'(issue #14)':<22}" + goals)
     lines.append(
         f"prompt tokens as shown, {COMPLETION_TOKENS} sampled; `!` marks a missed goal. CPU is\n"
-        f"the proxy process's per call: a rollout's first call (1st: the whole context is new)\n"
+        "the proxy process's per call: a rollout's first call (1st: the whole context is new)\n"
         f"and its later ones (/call: {TURNS - 1} per rollout, each adding a reply and a turn);\n"
         "the other non-streamed columns are the later calls'. PG is Postgres's backends' per\n"
-        "recorded call (the pass-through\n"
-        f"records nothing). µs/chunk: a {LONG_STREAM_TOKENS}-token stream's CPU less a "
+        "recorded call (the pass-through records nothing).\n"
+        f"µs/chunk: a {LONG_STREAM_TOKENS}-token stream's CPU less a "
         f"{COMPLETION_TOKENS}-token\none's, over the chunks between them. +p50: over the stand-in "
         "reached directly."
     )

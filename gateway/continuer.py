@@ -168,7 +168,7 @@ class Continuer:
         try:
             suffix, around = await asyncio.gather(
                 self._suffix(upstream, body, keys.context),
-                self._renderer.around(upstream, body, keys.positions[i] + 1),
+                self._renderer.around(upstream, body, keys.positions[i] + 1, keys.messages_json),
             )
         except RenderError as exc:
             log.warning("continuation render failed, rendering plainly: %s", exc)

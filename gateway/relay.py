@@ -244,6 +244,8 @@ async def relay(
 async def _forward(request, proto, ctx, call: _Call, body: dict) -> web.StreamResponse:
     svc = call.svc
     upstreams = svc.upstreams
+    if call.turn is not None and "messages" in body:  # encoded for its keys: sent as that text
+        body = {**body, "messages": msgspec.Raw(call.turn.keys.messages_json)}
     encoded = _encode(body)
     streamed = bool(body.get("stream"))
     # A frozen engine never answers a whole-response call; ejecting its replica ends it.

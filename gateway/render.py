@@ -58,7 +58,7 @@ class Around(NamedTuple):
         return self.tail == other.tail and a[len(a) - n :] == b[len(b) - n :]
 
 
-def render_body(body: dict, messages: list[dict], *, ending: str) -> dict:
+def render_body(body: dict, messages: list[dict] | msgspec.Raw, *, ending: str) -> dict:
     """A render request for `messages` with `body`'s template settings, ending as `body` ends
     (`ending="request"`: generation prompt or continued final message), with the generation
     prompt ("generation") or with neither ("none"). Sampling and tool-choice fields are left out:
@@ -75,6 +75,17 @@ def render_body(body: dict, messages: list[dict], *, ending: str) -> dict:
     else:
         out["add_generation_prompt"] = ending == "generation"
     return out
+
+
+def opening_messages(messages_json: bytes, messages: list, upto: int) -> bytes:
+    """The JSON of `messages[:upto]` cut from `messages_json`, the compact JSON of all of them:
+    the conversation is not encoded again for each render, only the messages past `upto`."""
+    if upto >= len(messages):
+        return messages_json
+    if upto <= 0:
+        return b"[]"
+    rest = len(_encode(messages[upto:]))  # `[` + the rest's items + `]`, after a comma
+    return messages_json[: len(messages_json) - rest] + b"]"
 
 
 def split_around(turn: list[int], full: list[int], by: str) -> Around | None:
@@ -145,11 +156,18 @@ class EngineRenderer:
             raise RenderError(f"{RENDER_PATH} answered no token_ids: {raw[:500]!r}")
         return span
 
-    async def around(self, upstream: str, body: dict, upto: int) -> Around | None:
-        """`body` rendered around its message `upto - 1` (the reply it continues)."""
+    async def around(
+        self, upstream: str, body: dict, upto: int, messages_json: bytes | None = None
+    ) -> Around | None:
+        """`body` rendered around its message `upto - 1` (the reply it continues);
+        `messages_json`: its messages already encoded (compact, as msgspec encodes them)."""
+        messages = body["messages"]
+        if messages_json is None:
+            messages_json = _encode(messages)
+        turn_json = opening_messages(messages_json, messages, upto)
         turn, full = await asyncio.gather(
-            self._span(upstream, render_body(body, body["messages"][:upto], ending="none")),
-            self._span(upstream, render_body(body, body["messages"], ending="request")),
+            self._span(upstream, render_body(body, msgspec.Raw(turn_json), ending="none")),
+            self._span(upstream, render_body(body, msgspec.Raw(messages_json), ending="request")),
         )
         try:
             return split_spans(turn, full, "engine")
@@ -579,7 +597,9 @@ class CheckedRenderer:
             self._models[key] = found
             return found
 
-    async def around(self, upstream: str, body: dict, upto: int) -> Around | None:
+    async def around(
+        self, upstream: str, body: dict, upto: int, messages_json: bytes | None = None
+    ) -> Around | None:
         context = context_key(body)
         try:
             fmt = await self.self_check(upstream, body.get("model"))
@@ -587,7 +607,7 @@ class CheckedRenderer:
             fmt = None
         trusted = self._contexts.get((upstream, context))
         if fmt is None or trusted is False:
-            return await self._engine_around(upstream, body, upto)
+            return await self._engine_around(upstream, body, upto, messages_json)
         try:
             local = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self._local.around, body, upto, fmt
@@ -596,9 +616,9 @@ class CheckedRenderer:
             log.exception("local rendering failed; asking the engine")
             local = False
         if local is False:
-            return await self._engine_around(upstream, body, upto)
+            return await self._engine_around(upstream, body, upto, messages_json)
         if trusted is None:  # a new context: the engine answers, and says whether to trust us
-            engine = await self._engine_around(upstream, body, upto)
+            engine = await self._engine_around(upstream, body, upto, messages_json)
             self._judge(upstream, context, local, engine)
             return engine
         self.stats["local"] += 1
@@ -608,9 +628,11 @@ class CheckedRenderer:
             task.add_done_callback(self._checks.discard)
         return local
 
-    async def _engine_around(self, upstream: str, body: dict, upto: int) -> Around | None:
+    async def _engine_around(
+        self, upstream: str, body: dict, upto: int, messages_json: bytes | None
+    ) -> Around | None:
         self.stats["engine"] += 1
-        return await self._engine.around(upstream, body, upto)
+        return await self._engine.around(upstream, body, upto, messages_json)
 
     async def _sample(self, upstream, body, upto, context, local: Around | None) -> None:
         try:

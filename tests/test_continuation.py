@@ -7,6 +7,7 @@ import copy
 import json
 import threading
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -18,6 +19,7 @@ from gateway.render import (
     Around,
     CheckedRenderer,
     LocalTemplate,
+    opening_messages,
     render_body,
     split_around,
     split_spans,
@@ -354,6 +356,14 @@ def test_split_around(turn, tail, other):
     assert split_around(turn, other, "engine") is None
 
 
+@settings(max_examples=300, deadline=None)
+@given(conversations(), st.integers(0, 30))
+def test_opening_messages_is_the_encoding_of_the_first_ones(conv, upto):
+    messages = conv[0][-1]["messages"]
+    encoded = msgspec.json.encode(messages)
+    assert opening_messages(encoded, messages, upto) == msgspec.json.encode(messages[:upto])
+
+
 token_ids = st.lists(st.integers(0, 2**27) | st.sampled_from([0, 1, 10, 100]), max_size=40)
 
 
@@ -447,7 +457,7 @@ class _Engine:
     async def render(self, upstream, body):
         return [1, 2, 3]
 
-    async def around(self, upstream, body, upto):
+    async def around(self, upstream, body, upto, messages_json=None):
         return Around((1,), [2, 3], "engine")
 
 
