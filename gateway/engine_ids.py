@@ -1,4 +1,4 @@
-"""The engine's prompt ids, from its JSON straight into numpy.
+"""The engine's token id arrays, from its JSON straight into numpy (or kept as JSON).
 
 vLLM echoes the whole prompt (`prompt_token_ids`) in every response, or in a stream's first
 chunk: at a long context that one array is most of the bytes. Decoded as JSON it becomes one
@@ -72,10 +72,15 @@ def _parse_plain(span: bytes) -> np.ndarray | None:
     inner = span[1:-1]
     if not inner:
         return np.zeros(0, dtype=np.int32)
-    if not plain(inner):
+    if inner.translate(None, b"0123456789,") or inner[:1] == b"," or inner[-1:] == b",":
         return None
-    ids = np.fromstring(inner, dtype=np.int64, sep=",")
+    try:
+        ids = np.fromstring(inner, dtype=np.int64, sep=",")
+    except ValueError:  # an empty element: `,,`
+        return None
     if ids.max() > _INT32_MAX:  # (int64 saturates)
+        return None
+    if _leading_zero(inner):  # not JSON, and parsing would hide it
         return None
     return ids.astype(np.int32)
 
@@ -88,20 +93,6 @@ def join(a: bytes, b: bytes) -> bytes:
     if _EMPTY.fullmatch(b):
         return a
     return b"".join((memoryview(a)[:-1], b",", memoryview(b)[1:]))  # one copy
-
-
-def plain(inner: bytes) -> bool:
-    """Whether `inner`, the text of an id array between its brackets, holds ids as vLLM writes
-    them: numbers without sign, fraction or leading zero, separated by single commas. Two such
-    texts are equal exactly where their ids are, so they can be compared as bytes."""
-    return (
-        bool(inner)
-        and not inner.translate(None, b"0123456789,")
-        and inner[:1] != b","
-        and inner[-1:] != b","
-        and b",," not in inner
-        and not _leading_zero(inner)  # not JSON, and parsing would hide it
-    )
 
 
 def _leading_zero(inner: bytes) -> bool:

@@ -100,6 +100,13 @@ def split_around(turn: list[int], full: list[int], by: str) -> Around | None:
 _COMMA = ord(",")
 
 
+class _Rendered(msgspec.Struct):
+    token_ids: msgspec.Raw
+
+
+_decode_rendered = msgspec.json.Decoder(_Rendered).decode
+
+
 def split_spans(turn: bytes, full: bytes, by: str) -> Around | None:
     """`split_around` of two renders as the engine wrote them (JSON id arrays), without turning
     the conversation into Python ints: when the turn's text opens the full one's up to a comma,
@@ -143,17 +150,16 @@ class EngineRenderer:
             raise RenderError(f"{RENDER_PATH} broke off: {exc or type(exc).__name__}") from exc
         if resp.status != 200:
             raise RenderError(f"{RENDER_PATH} answered {resp.status}: {raw[:500]!r}")
+        # The ids are cut out as text rather than decoded (they are most of the answer).
         rest, span = engine_ids.split(raw, "token_ids")
         try:
             rendered = msgspec.json.decode(rest)
+            if not (
+                isinstance(rendered, dict) and engine_ids.is_sentinel(rendered.get("token_ids"))
+            ):
+                span = bytes(_decode_rendered(raw).token_ids)  # the key came first elsewhere
         except msgspec.DecodeError as exc:
             raise RenderError(f"{RENDER_PATH} answered unreadable JSON: {exc}") from exc
-        if (
-            span is None
-            or not isinstance(rendered, dict)
-            or not engine_ids.is_sentinel(rendered.get("token_ids"))
-        ):
-            raise RenderError(f"{RENDER_PATH} answered no token_ids: {raw[:500]!r}")
         return span
 
     async def around(
