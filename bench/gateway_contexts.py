@@ -2,11 +2,18 @@
 section (`bench/bench_gateway.py`).
 
 Each context (512, 8k and 32k prompt tokens, 32 sampled) gets a synthetic stand-in (recorded
-vLLM replies cut to 32 tokens, prompt ids echoed as vLLM's `return_token_ids` does, the last 64
-prompt ids new on every call as a harness's next turn makes them), a bare aiohttp pass-through
-in front of it as the reference, and a gateway run as an operator runs it: the default log
-level (INFO, one access-log line per call), bodies recorded, every call committed. The harness
-request carries its context as text, so request parsing, hashing and compression grow with it.
+vLLM replies cut to 32 tokens; prompts rendered from the request's messages by a stand-in chat
+template and echoed as vLLM's `return_token_ids` does, or the ids the request fixed; vLLM's
+render endpoint served from the same template), a bare aiohttp pass-through in front of it as
+the reference, and a gateway run as an operator runs it: the default log level (INFO, one
+access-log line per call), bodies recorded, every call committed.
+
+Non-streamed calls come as agent rollouts (`bench/conversation_load.py`): a rollout's first call
+carries the whole context as text; each later one resends the conversation with the reply and
+a new turn of about 64 tokens appended, so the gateway continues it exactly (rolling keys,
+renders, the parent's ids), stores its body as a delta, and skips parsing the echoed prompt.
+First and later calls are measured apart. Streams repeat one request (their per-chunk cost
+does not depend on the conversation).
 
 Postgres CPU is its backends' user + system time from /proc over the measured phase (the
 gateway's pool connections), divided by the calls recorded in it.
@@ -21,7 +28,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from bench import standin
+from bench import conversation_load, standin
 from bench.bench_gateway import (
     POSTGRES_URL,
     Gateway,
@@ -59,15 +66,28 @@ class Run(msgspec.Struct, frozen=True):
 
 
 RUNS = (
-    Run(stream=False, concurrency=1, seconds=3, warmup=30),
-    Run(stream=False, concurrency=64, seconds=3, warmup=2),
     Run(stream=True, concurrency=1, seconds=3, warmup=20),
     Run(stream=True, concurrency=1, seconds=3, warmup=5, tokens=LONG_STREAM_TOKENS),
 )
+# Rollout loads: (harnesses, measured rollouts each); every rollout has TURNS calls.
+ROLLOUTS = ((1, 60), (64, 2))
+TURNS = 5
 
 
 def _per_call(seconds: float, r: LoadResult) -> float:
     return seconds * 1e6 / len(r.latency_s) if r.latency_s else float("nan")
+
+
+def _numbers(r: LoadResult, rows: float, commits: int) -> dict:
+    return {
+        "batch_rows": rows / commits if commits else float("nan"),
+        "p50_ms": _p(r.latency_s, 50) * 1e3,
+        "rps": len(r.latency_s) / r.wall_s if r.wall_s else float("nan"),
+        "cpu_us": _per_call(r.cpu_s.get("proxy", float("nan")), r),
+        "postgres_us": _per_call(r.cpu_s.get("postgres", float("nan")), r),
+        "chunks": _p(r.chunks, 50) if r.chunks else 0,
+        "errors": r.errors,
+    }
 
 
 def measure(dsn: str, datname: str, print_fn) -> dict:
@@ -77,7 +97,7 @@ def measure(dsn: str, datname: str, print_fn) -> dict:
     for tokens in CONTEXTS:
         port, pass_port = free_port(), free_port()
         upstream_url = f"http://127.0.0.1:{port}"
-        procs = [standin.start(port, context=(tokens, COMPLETION_TOKENS))]
+        procs = [standin.start(port, context=(tokens, COMPLETION_TOKENS), template=True)]
         gateway = Gateway(upstream_url, dsn, log_dir / f"gateway-{tokens}.log")
         try:
             procs.append(
@@ -100,10 +120,38 @@ def measure(dsn: str, datname: str, print_fn) -> dict:
                 "gateway": (gateway.url, gateway.proc.pid),
             }
             out[tokens] = {side: {} for side in sides}
+            for concurrency, rollouts in ROLLOUTS:
+                for side, (url, pid) in sides.items():
+                    if side == "direct" and concurrency != 1:
+                        continue  # only the latency baseline is needed
+                    keys = [[None] * (rollouts + 1) for _ in range(concurrency)]
+                    if side == "gateway":
+                        keys = [[gateway.new_rollout()["api_key"] for _ in h] for h in keys]
+                    batches0 = gateway.batch_rows()
+                    r = conversation_load.run(
+                        conversation_load.ConversationSpec(
+                            url=url,
+                            rollouts=keys,
+                            turns=TURNS,
+                            context_tokens=tokens,
+                            pids={"standin": [procs[0].pid], **({"proxy": [pid]} if pid else {})},
+                            postgres=(POSTGRES_URL, datname) if side == "gateway" else None,
+                        )
+                    )
+                    rows, commits = (a - b for a, b in zip(gateway.batch_rows(), batches0))
+                    for phase, res in (("first", r.first), ("later", r.later)):
+                        if res.first_error:
+                            print_fn(
+                                f"  {tokens} {side} c={concurrency} {phase}: {res.errors} "
+                                f"errors: {res.first_error}"
+                            )
+                        commits_here = commits if side == "gateway" else 0
+                        out[tokens][side][f"json c={concurrency} {phase}"] = _numbers(
+                            res, rows, commits_here
+                        )
             for run in RUNS:
                 for side, (url, pid) in sides.items():
-                    baseline = run.concurrency == 1 and run.tokens == COMPLETION_TOKENS
-                    if side == "direct" and not baseline:
+                    if side == "direct" and run.tokens != COMPLETION_TOKENS:
                         continue  # only the latency baselines are needed
                     keys: list[str | None] = [None] * run.concurrency
                     if side == "gateway":
@@ -133,15 +181,7 @@ def measure(dsn: str, datname: str, print_fn) -> dict:
                         if side == "gateway"
                         else (0.0, 0)
                     )
-                    out[tokens][side][run.name] = {
-                        "batch_rows": rows / commits if commits else float("nan"),
-                        "p50_ms": _p(r.latency_s, 50) * 1e3,
-                        "rps": len(r.latency_s) / r.wall_s if r.wall_s else float("nan"),
-                        "cpu_us": _per_call(r.cpu_s.get("proxy", float("nan")), r),
-                        "postgres_us": _per_call(r.cpu_s.get("postgres", float("nan")), r),
-                        "chunks": _p(r.chunks, 50) if r.chunks else 0,
-                        "errors": r.errors,
-                    }
+                    out[tokens][side][run.name] = _numbers(r, rows, commits)
             print_fn(f"  context {tokens}: measured")
         except Exception:
             print_fn(f"gateway log, last lines:\n{gateway.log_tail()}")
@@ -156,12 +196,14 @@ def measure(dsn: str, datname: str, print_fn) -> dict:
 
 def row(side: dict, direct: dict) -> dict:
     """One table row (a context through one proxy) from its runs."""
-    j1, j64, s1 = side["json c=1"], side["json c=64"], side["sse c=1"]
+    j1, j64, s1 = side["json c=1 later"], side["json c=64 later"], side["sse c=1"]
     long = side[f"sse c=1 {LONG_STREAM_TOKENS}"]
     return {
+        "cpu_c1_first": side["json c=1 first"]["cpu_us"],
         "cpu_c1": j1["cpu_us"],
+        "cpu_c64_first": side["json c=64 first"]["cpu_us"],
         "cpu_c64": j64["cpu_us"],
-        "added_json": j1["p50_ms"] - direct["json c=1"]["p50_ms"],
+        "added_json": j1["p50_ms"] - direct["json c=1 later"]["p50_ms"],
         "added_sse": s1["p50_ms"] - direct["sse c=1"]["p50_ms"],
         # Two streams that differ only in their length: the difference, per extra chunk.
         "chunk_us": (long["cpu_us"] - s1["cpu_us"]) / (long["chunks"] - s1["chunks"])
@@ -175,7 +217,9 @@ def row(side: dict, direct: dict) -> dict:
 
 
 COLUMNS = (  # key, header, digits, goal
+    ("cpu_c1_first", "CPU µs 1st c=1", 0, None),
     ("cpu_c1", "CPU µs/call c=1", 0, GOAL_CPU_US),
+    ("cpu_c64_first", "CPU µs 1st c=64", 0, None),
     ("cpu_c64", "CPU µs/call c=64", 0, GOAL_CPU_US),
     ("added_json", "+p50 ms json", 2, GOAL_ADDED_P50_MS),
     ("added_sse", "+p50 ms sse", 2, GOAL_ADDED_P50_MS),
@@ -206,8 +250,11 @@ def format_table(results: dict) -> str:
     lines.append(f"{'goal':<9}{'(issue #14)':<22}" + goals)
     lines.append(
         f"prompt tokens as shown, {COMPLETION_TOKENS} sampled; `!` marks a missed goal. CPU is\n"
-        "the proxy process's; PG is Postgres's backends' per recorded call (the pass-through\n"
-        f"records nothing). µs/chunk: a {LONG_STREAM_TOKENS}-token stream's CPU less a "
+        "the proxy process's per call: a rollout's first call (1st: the whole context is new)\n"
+        f"and its later ones (/call: {TURNS - 1} per rollout, each adding a reply and a turn);\n"
+        "the other non-streamed columns are the later calls'. PG is Postgres's backends' per\n"
+        "recorded call (the pass-through records nothing).\n"
+        f"µs/chunk: a {LONG_STREAM_TOKENS}-token stream's CPU less a "
         f"{COMPLETION_TOKENS}-token\none's, over the chunks between them. +p50: over the stand-in "
         "reached directly."
     )

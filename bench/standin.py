@@ -32,6 +32,8 @@ from pathlib import Path
 
 import msgspec
 
+from bench import standin_template
+
 DATA = Path(__file__).resolve().parent / "data"
 REQUEST = DATA / "request.json"  # the harness-side request the benchmark clients send
 WHOLE = DATA / "chat_completion.json"  # vLLM's non-streamed response body, as sent
@@ -88,9 +90,13 @@ class Replies:
         self.stream_frames = [_chunk(b"data: " + e + b"\n\n") for e in events]
         self.stream_frames.append(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
 
-    def answer(self, flags: _Flags) -> list[bytes]:
+    def answer(self, flags: _Flags, body: bytes) -> list[bytes]:
         """What to send for one chat completion request, in writes."""
         return [self.stream_head, *self.stream_frames] if flags.stream else [self.whole]
+
+    def render(self, body: bytes) -> bytes:
+        """The answer to a render request: only a stand-in with a template has one."""
+        return self.not_found
 
 
 class Synthetic(Replies):
@@ -101,12 +107,22 @@ class Synthetic(Replies):
     first chunk of a stream; a request that fixes its prompt (`kv_transfer_params`
     `prompt_token_ids`) gets exactly those back. A stream has the request's `max_tokens`
     chunks if it names any (the recorded ones over again past them), so one chunk's cost can
-    be told from a whole call's."""
+    be told from a whole call's.
+
+    With `template` (prompt_tokens is then ignored) the prompt is the request's messages
+    rendered by the stand-in's template (bench/standin_template.py), which also serves vLLM's
+    render endpoint: a conversation that grows turn by turn can be continued exactly."""
 
     def __init__(
-        self, prompt_tokens: int, completion_tokens: int, fresh_tokens: int = 64, data_dir=DATA
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        fresh_tokens: int = 64,
+        data_dir=DATA,
+        template: bool = False,
     ) -> None:
         super().__init__(data_dir)
+        self._template = template
         n = completion_tokens
         rng = random.Random(prompt_tokens)
         self._fixed = [rng.randrange(2048) for _ in range(prompt_tokens - fresh_tokens)]
@@ -144,16 +160,24 @@ class Synthetic(Replies):
             self._frames[n] = frames
         return frames
 
-    def _prompt(self, flags: _Flags) -> tuple[bytes, int]:
+    def _prompt(self, flags: _Flags, body: bytes) -> tuple[bytes, int]:
         sent = flags.kv_transfer_params
         if sent is not None and bytes(sent.prompt_token_ids) != b"null":
             raw = bytes(sent.prompt_token_ids)
             return raw, len(msgspec.json.decode(raw))
+        if self._template:
+            return standin_template.render_json(msgspec.json.decode(body))
         ids = self._fixed + [self._rng.randrange(2048) for _ in range(self._fresh)]
         return msgspec.json.encode(ids), len(ids)
 
-    def answer(self, flags: _Flags) -> list[bytes]:
-        prompt, n = self._prompt(flags)
+    def render(self, body: bytes) -> bytes:
+        if not self._template:
+            return self.not_found
+        ids, _ = standin_template.render_json(msgspec.json.decode(body))
+        return _http("200 OK", b"application/json", b'{"token_ids":' + ids + b"}")
+
+    def answer(self, flags: _Flags, body: bytes) -> list[bytes]:
+        prompt, n = self._prompt(flags, body)
         sampled = (flags.stream and flags.max_tokens) or self._completion_tokens
         usage = {"prompt_tokens": n, "total_tokens": n + sampled, "completion_tokens": sampled}
         if not flags.stream:
@@ -218,8 +242,10 @@ class _Connection(asyncio.Protocol):
             except msgspec.DecodeError:
                 write(r.bad)
                 return
-            for frame in r.answer(flags):  # one send per event, as a live engine would
+            for frame in r.answer(flags, body):  # one send per event, as a live engine would
                 write(frame)
+        elif method == b"post" and path == b"/v1/chat/completions/render":
+            write(r.render(body))
         elif method == b"get" and path == b"/v1/models":
             write(r.models)
         elif method == b"get" and path == b"/health":
@@ -243,12 +269,16 @@ def start(
     data_dir: Path = DATA,
     argv: list[str] | None = None,
     context: tuple[int, int] | None = None,
+    template: bool = False,
 ) -> subprocess.Popen:
     """The stand-in (or `argv`, another stand-in module) in its own process; returns once it
-    answers `/health`. `context`: (prompt, completion) tokens of synthetic replies."""
+    answers `/health`. `context`: (prompt, completion) tokens of synthetic replies; `template`:
+    their prompts rendered from the messages (see `Synthetic`)."""
     argv = argv or ["-m", "bench.standin", "--port", str(port), "--data-dir", str(data_dir)]
     if context:
         argv += ["--prompt-tokens", str(context[0]), "--completion-tokens", str(context[1])]
+    if template:
+        argv.append("--template")
     proc = subprocess.Popen(
         [sys.executable, *argv],
         cwd=Path(__file__).resolve().parents[1],
@@ -385,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
         help="synthetic replies: a prompt of this many tokens (default: the recorded replies)",
     )
     parser.add_argument("--completion-tokens", type=int, default=32, help="with --prompt-tokens")
+    parser.add_argument(
+        "--template",
+        action="store_true",
+        help="with --prompt-tokens: render each request's messages for its prompt, and serve "
+        "the render endpoint",
+    )
     args = parser.parse_args(argv)
     if args.record:
         print(json.dumps(record(args.data_dir, args.upstream), indent=1))
@@ -393,7 +429,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         replies = (
-            Synthetic(args.prompt_tokens, args.completion_tokens, data_dir=args.data_dir)
+            Synthetic(
+                args.prompt_tokens,
+                args.completion_tokens,
+                data_dir=args.data_dir,
+                template=args.template,
+            )
             if args.prompt_tokens
             else Replies(args.data_dir)
         )

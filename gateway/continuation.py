@@ -214,6 +214,11 @@ class RequestKeys:
         return best
 
     @property
+    def messages_json(self) -> bytes:
+        """The request's messages as compact JSON (msgspec's encoding, as sent upstream)."""
+        return self._encoded
+
+    @property
     def nbytes(self) -> int:
         """Memory kept for a later request's rolling keys (roughly)."""
         return len(self._encoded) + 24 * len(self.keys) + 256

@@ -20,12 +20,15 @@ import msgspec
 import numpy as np
 
 from gateway import continuation as cont
+from gateway import engine_ids
 from gateway.continuation import ContinuationRecord, RequestKeys
 from gateway.render import CheckedRenderer, EngineRenderer, RenderError, render_body
 from gateway.store import calls as calls_store
 from gateway.store.tokens import RecentCalls
 
 log = logging.getLogger(__name__)
+
+_encode = msgspec.json.encode
 
 _PROBE_USER = {"role": "user", "content": "x"}
 _PROBE_EMPTY_REPLY = {"role": "assistant", "content": ""}
@@ -34,7 +37,7 @@ _PROBE_EMPTY_REPLY = {"role": "assistant", "content": ""}
 class Turn:
     """One call's continuation: its request keys, what was decided, and the ids to send."""
 
-    __slots__ = ("keys", "record", "parent_id", "parent_full", "prompt_ids")
+    __slots__ = ("keys", "record", "parent_id", "parent_full", "prompt_ids", "prompt_json")
 
     def __init__(
         self,
@@ -43,12 +46,15 @@ class Turn:
         parent_id: UUID | None = None,
         parent_full: np.ndarray | None = None,
         prompt_ids: np.ndarray | None = None,
+        prompt_json: bytes | None = None,
     ) -> None:
         self.keys = keys
         self.record = record
         self.parent_id = parent_id
         self.parent_full = parent_full
         self.prompt_ids = prompt_ids
+        # `prompt_ids` as the JSON sent to the engine, when the parent's is at hand
+        self.prompt_json = prompt_json
 
     def confirm(self, prompt: np.ndarray) -> None:
         """Checks the engine's prompt against the splice: an engine that rendered the messages
@@ -155,14 +161,14 @@ class Continuer:
             return plain("render", cont.CONFIGURED)
         if keys.media:
             return plain("fallback", cont.MEDIA)
-        parent_full = await self._parent_ids(rollout_id, parent_id)
+        parent_full, parent_json = await self._parent_ids(rollout_id, parent_id)
         if parent_full is None or not parent_full.size:
             return plain("fallback", cont.PARENT_TOKENS)
         started = time.perf_counter()
         try:
             suffix, around = await asyncio.gather(
                 self._suffix(upstream, body, keys.context),
-                self._renderer.around(upstream, body, keys.positions[i] + 1),
+                self._renderer.around(upstream, body, keys.positions[i] + 1, keys.messages_json),
             )
         except RenderError as exc:
             log.warning("continuation render failed, rendering plainly: %s", exc)
@@ -173,6 +179,8 @@ class Continuer:
         ids, reason = cont.splice(parent_full, around.turn_end, around.tail, suffix)
         if ids is None:
             return plain("fallback", reason, render_ms=render_ms, rendered_by=around.by)
+        if parent_json is not None:  # the parent's ids as text, then the new ones encoded
+            parent_json = engine_ids.join(parent_json, _encode(ids[parent_full.size :].tolist()))
         return Turn(
             keys,
             msgspec.structs.replace(
@@ -181,6 +189,7 @@ class Continuer:
             parent_id,
             parent_full,
             ids,
+            parent_json,
         )
 
     def remember(self, rollout_id: UUID, call_id: UUID, reply_keys: list[bytes]) -> None:
@@ -199,12 +208,15 @@ class Continuer:
             i = keys.longest(replies.calls)
         return None if i < 0 else (i, replies.calls[keys.keys[i]])
 
-    async def _parent_ids(self, rollout_id: UUID, call_id: UUID) -> np.ndarray | None:
+    async def _parent_ids(
+        self, rollout_id: UUID, call_id: UUID
+    ) -> tuple[np.ndarray | None, bytes | None]:
+        """The parent's prompt + sampled ids, and their JSON if it is at hand."""
         recent = self._recent.find(rollout_id, call_id)
         if recent is not None:
-            return recent.full
+            return recent.full, recent.full_json
         async with self._pool.acquire() as conn:
-            return await calls_store.full_ids(conn, rollout_id, call_id)
+            return await calls_store.full_ids(conn, rollout_id, call_id), None
 
     async def _suffix(self, upstream: str, body: dict, context: bytes) -> tuple[int, ...]:
         """The template's assistant turn end under this request's context, probed once."""

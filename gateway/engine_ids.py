@@ -1,4 +1,4 @@
-"""The engine's prompt ids, from its JSON straight into numpy.
+"""The engine's token id arrays, from its JSON straight into numpy (or kept as JSON).
 
 vLLM echoes the whole prompt (`prompt_token_ids`) in every response, or in a stream's first
 chunk: at a long context that one array is most of the bytes. Decoded as JSON it becomes one
@@ -10,27 +10,29 @@ not parsed at all.
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 import numpy as np
 
 KEY = "prompt_token_ids"
-_FIELD = b'"prompt_token_ids":['
-_SENTINEL = b'"prompt_token_ids":0'
 _INT32_MAX = 2**31 - 1
+_EMPTY = re.compile(rb"\[\s*\]")
 
 
-def split(raw: bytes) -> tuple[bytes, bytes | None]:
-    """(`raw` with its first prompt id array replaced by the number 0, the array's bytes), or
-    (`raw`, None) if it has none. The key cannot be matched inside a JSON string (its quote
+def split(raw: bytes, key: str = KEY) -> tuple[bytes, bytes | None]:
+    """(`raw` with its first id array under `key` replaced by the number 0, the array's bytes),
+    or (`raw`, None) if it has none. The key cannot be matched inside a JSON string (its quote
     before the colon would be escaped there); `holder` tells which object it belonged to."""
-    at = raw.find(_FIELD)
+    field = b'"%s":[' % key.encode()
+    at = raw.find(field)
     if at < 0:
         return raw, None
-    start = at + len(_FIELD) - 1
+    start = at + len(field) - 1
     end = raw.find(b"]", start)  # an array of numbers holds no other bracket
     if end < 0:
         return raw, None
-    return raw[:at] + _SENTINEL + raw[end + 1 :], raw[start : end + 1]
+    return raw[:at] + field[:-1] + b"0" + raw[end + 1 :], raw[start : end + 1]
 
 
 def holder(payload) -> dict | None:
@@ -39,16 +41,17 @@ def holder(payload) -> dict | None:
     was nested anywhere else."""
     if not isinstance(payload, dict):
         return None
-    if _is_sentinel(payload.get(KEY)):
+    if is_sentinel(payload.get(KEY)):
         return payload
     choices = payload.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        if _is_sentinel(choices[0].get(KEY)):
+        if is_sentinel(choices[0].get(KEY)):
             return choices[0]
     return None
 
 
-def _is_sentinel(value) -> bool:
+def is_sentinel(value) -> bool:
+    """Whether a decoded `split` response holds the cut-out array's placeholder here."""
     return type(value) is int and value == 0
 
 
@@ -80,6 +83,16 @@ def _parse_plain(span: bytes) -> np.ndarray | None:
     if _leading_zero(inner):  # not JSON, and parsing would hide it
         return None
     return ids.astype(np.int32)
+
+
+def join(a: bytes, b: bytes) -> bytes:
+    """The JSON array of `a`'s items followed by `b`'s (both JSON arrays): the text of a long
+    id array extended without passing its ids through Python ints."""
+    if _EMPTY.fullmatch(a):
+        return b
+    if _EMPTY.fullmatch(b):
+        return a
+    return b"".join((memoryview(a)[:-1], b",", memoryview(b)[1:]))  # one copy
 
 
 def _leading_zero(inner: bytes) -> bool:

@@ -138,6 +138,7 @@ class _Call:
         self.retry_count = 0
         self.turn: Turn | None = None  # the continuation step (chat-completions upstreams)
         self.sent_prompt: bytes | None = None  # the turn's prompt ids as sent, JSON-encoded
+        self.prompt_json: bytes | None = None  # the engine's prompt ids, as it wrote them
         # For stateful protocols: response object -> what to store for later continuation.
         self.state = None
         self.state_source = None  # the response object (or its bytes) given to the client
@@ -230,7 +231,7 @@ async def relay(
     if proto.UPSTREAM_PATH == "/v1/chat/completions":  # legacy completions has no messages
         call.turn = await svc.continuer.prepare(rollout_id, call.upstream, body)
         if call.turn.prompt_ids is not None:
-            call.sent_prompt = _encode(call.turn.prompt_ids.tolist())
+            call.sent_prompt = call.turn.prompt_json or _encode(call.turn.prompt_ids.tolist())
             body["kv_transfer_params"] = {"prompt_token_ids": msgspec.Raw(call.sent_prompt)}
     call._task = asyncio.current_task()
     svc.calls.add(call)
@@ -243,6 +244,8 @@ async def relay(
 async def _forward(request, proto, ctx, call: _Call, body: dict) -> web.StreamResponse:
     svc = call.svc
     upstreams = svc.upstreams
+    if call.turn is not None and "messages" in body:  # encoded for its keys: sent as that text
+        body = {**body, "messages": msgspec.Raw(call.turn.keys.messages_json)}
     encoded = _encode(body)
     streamed = bool(body.get("stream"))
     # A frozen engine never answers a whole-response call; ejecting its replica ends it.
@@ -430,6 +433,8 @@ def _engine_payload(call: _Call, raw: bytes) -> dict:
         return _decode(raw)
     sent = call.sent_prompt
     ids = call.turn.prompt_ids if sent is not None and span == sent else engine_ids.parse(span)
+    if call.capture.prompt_ids is None:
+        call.prompt_json = span
     call.capture.set_prompt(ids)
     holder[engine_ids.KEY] = msgspec.Raw(span) if call.protocol in _PASSES_IDS else ids.tolist()
     return payload

@@ -27,6 +27,7 @@ import aiohttp
 import msgspec
 import numpy as np
 
+from gateway import engine_ids
 from gateway.continuation import CONTEXT_FIELDS, context_key
 from gateway.protocols.errors import GatewayError
 from gateway.upstream import Upstreams
@@ -57,7 +58,7 @@ class Around(NamedTuple):
         return self.tail == other.tail and a[len(a) - n :] == b[len(b) - n :]
 
 
-def render_body(body: dict, messages: list[dict], *, ending: str) -> dict:
+def render_body(body: dict, messages: list[dict] | msgspec.Raw, *, ending: str) -> dict:
     """A render request for `messages` with `body`'s template settings, ending as `body` ends
     (`ending="request"`: generation prompt or continued final message), with the generation
     prompt ("generation") or with neither ("none"). Sampling and tool-choice fields are left out:
@@ -76,6 +77,17 @@ def render_body(body: dict, messages: list[dict], *, ending: str) -> dict:
     return out
 
 
+def opening_messages(messages_json: bytes, messages: list, upto: int) -> bytes:
+    """The JSON of `messages[:upto]` cut from `messages_json`, the compact JSON of all of them:
+    the conversation is not encoded again for each render, only the messages past `upto`."""
+    if upto >= len(messages):
+        return messages_json
+    if upto <= 0:
+        return b"[]"
+    rest = len(_encode(messages[upto:]))  # `[` + the rest's items + `]`, after a comma
+    return messages_json[: len(messages_json) - rest] + b"]"
+
+
 def split_around(turn: list[int], full: list[int], by: str) -> Around | None:
     """`full` cut after `turn`; None if it does not start with `turn` (the template renders the
     earlier conversation differently once more messages follow)."""
@@ -85,11 +97,32 @@ def split_around(turn: list[int], full: list[int], by: str) -> Around | None:
     return Around(tuple(turn[-_TURN_END_TOKENS:]), full[n:], by)
 
 
+_COMMA = ord(",")
+
+
 class _Rendered(msgspec.Struct):
-    token_ids: list[int]
+    token_ids: msgspec.Raw
 
 
 _decode_rendered = msgspec.json.Decoder(_Rendered).decode
+
+
+def split_spans(turn: bytes, full: bytes, by: str) -> Around | None:
+    """`split_around` of two renders as the engine wrote them (JSON id arrays), without turning
+    the conversation into Python ints: when the turn's text opens the full one's up to a comma,
+    their ids agree that far, and only the turn's last ids and the tail are parsed. Otherwise
+    (a rewritten history, or arrays written with other spacing) both are parsed whole."""
+    t, f = turn[1:-1], full[1:-1]
+    if not (t.strip() and f.startswith(t) and (len(f) == len(t) or f[len(t)] == _COMMA)):
+        return split_around(engine_ids.parse(turn).tolist(), engine_ids.parse(full).tolist(), by)
+    end = t.rsplit(b",", _TURN_END_TOKENS)[-_TURN_END_TOKENS:]
+    return Around(
+        tuple(int(x) for x in end),
+        engine_ids.parse(b"[" + f[len(t) + 1 :] + b"]").tolist(),
+        by,
+    )
+
+
 _encode = msgspec.json.encode
 
 
@@ -98,6 +131,14 @@ class EngineRenderer:
         self._upstreams = upstreams
 
     async def render(self, upstream: str, body: dict) -> list[int]:
+        span = await self._span(upstream, body)
+        try:
+            return engine_ids.parse(span).tolist()
+        except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
+            raise RenderError(f"{RENDER_PATH} answered unreadable ids: {exc}") from exc
+
+    async def _span(self, upstream: str, body: dict) -> bytes:
+        """The rendered ids as the engine wrote them: a JSON array."""
         try:
             resp = await self._upstreams.post(upstream, RENDER_PATH, _encode(body))
         except GatewayError as exc:
@@ -109,18 +150,35 @@ class EngineRenderer:
             raise RenderError(f"{RENDER_PATH} broke off: {exc or type(exc).__name__}") from exc
         if resp.status != 200:
             raise RenderError(f"{RENDER_PATH} answered {resp.status}: {raw[:500]!r}")
+        # The ids are cut out as text rather than decoded (they are most of the answer).
+        rest, span = engine_ids.split(raw, "token_ids")
         try:
-            return _decode_rendered(raw).token_ids
+            rendered = msgspec.json.decode(rest)
+            if not (
+                isinstance(rendered, dict) and engine_ids.is_sentinel(rendered.get("token_ids"))
+            ):
+                span = bytes(_decode_rendered(raw).token_ids)  # the key came first elsewhere
         except msgspec.DecodeError as exc:
             raise RenderError(f"{RENDER_PATH} answered unreadable JSON: {exc}") from exc
+        return span
 
-    async def around(self, upstream: str, body: dict, upto: int) -> Around | None:
-        """`body` rendered around its message `upto - 1` (the reply it continues)."""
+    async def around(
+        self, upstream: str, body: dict, upto: int, messages_json: bytes | None = None
+    ) -> Around | None:
+        """`body` rendered around its message `upto - 1` (the reply it continues);
+        `messages_json`: its messages already encoded (compact, as msgspec encodes them)."""
+        messages = body["messages"]
+        if messages_json is None:
+            messages_json = _encode(messages)
+        turn_json = opening_messages(messages_json, messages, upto)
         turn, full = await asyncio.gather(
-            self.render(upstream, render_body(body, body["messages"][:upto], ending="none")),
-            self.render(upstream, render_body(body, body["messages"], ending="request")),
+            self._span(upstream, render_body(body, msgspec.Raw(turn_json), ending="none")),
+            self._span(upstream, render_body(body, msgspec.Raw(messages_json), ending="request")),
         )
-        return split_around(turn, full, "engine")
+        try:
+            return split_spans(turn, full, "engine")
+        except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
+            raise RenderError(f"{RENDER_PATH} answered unreadable ids: {exc}") from exc
 
 
 # -- local rendering ------------------------------------------------------------------------------
@@ -545,7 +603,9 @@ class CheckedRenderer:
             self._models[key] = found
             return found
 
-    async def around(self, upstream: str, body: dict, upto: int) -> Around | None:
+    async def around(
+        self, upstream: str, body: dict, upto: int, messages_json: bytes | None = None
+    ) -> Around | None:
         context = context_key(body)
         try:
             fmt = await self.self_check(upstream, body.get("model"))
@@ -553,7 +613,7 @@ class CheckedRenderer:
             fmt = None
         trusted = self._contexts.get((upstream, context))
         if fmt is None or trusted is False:
-            return await self._engine_around(upstream, body, upto)
+            return await self._engine_around(upstream, body, upto, messages_json)
         try:
             local = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self._local.around, body, upto, fmt
@@ -562,9 +622,9 @@ class CheckedRenderer:
             log.exception("local rendering failed; asking the engine")
             local = False
         if local is False:
-            return await self._engine_around(upstream, body, upto)
+            return await self._engine_around(upstream, body, upto, messages_json)
         if trusted is None:  # a new context: the engine answers, and says whether to trust us
-            engine = await self._engine_around(upstream, body, upto)
+            engine = await self._engine_around(upstream, body, upto, messages_json)
             self._judge(upstream, context, local, engine)
             return engine
         self.stats["local"] += 1
@@ -574,9 +634,11 @@ class CheckedRenderer:
             task.add_done_callback(self._checks.discard)
         return local
 
-    async def _engine_around(self, upstream: str, body: dict, upto: int) -> Around | None:
+    async def _engine_around(
+        self, upstream: str, body: dict, upto: int, messages_json: bytes | None
+    ) -> Around | None:
         self.stats["engine"] += 1
-        return await self._engine.around(upstream, body, upto)
+        return await self._engine.around(upstream, body, upto, messages_json)
 
     async def _sample(self, upstream, body, upto, context, local: Around | None) -> None:
         try:

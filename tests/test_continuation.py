@@ -7,6 +7,7 @@ import copy
 import json
 import threading
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -14,7 +15,15 @@ from hypothesis import strategies as st
 
 from gateway import continuation as cont
 from gateway.continuation import RequestKeys, assistant_suffix, counts, splice
-from gateway.render import Around, CheckedRenderer, LocalTemplate, render_body, split_around
+from gateway.render import (
+    Around,
+    CheckedRenderer,
+    LocalTemplate,
+    opening_messages,
+    render_body,
+    split_around,
+    split_spans,
+)
 
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
 
@@ -133,7 +142,11 @@ def test_each_request_continues_the_previous_call(conv):
 
 def same_keys(a: RequestKeys, b: RequestKeys, reply: dict) -> bool:
     return (a.context, a.keys, a.positions, a.media, a.reply_keys(reply)) == (
-        b.context, b.keys, b.positions, b.media, b.reply_keys(reply)
+        b.context,
+        b.keys,
+        b.positions,
+        b.media,
+        b.reply_keys(reply),
     )
 
 
@@ -172,13 +185,16 @@ def test_rolling_keys_are_the_keys_from_scratch(conv, data):
 
 
 def test_rolling_keys_resume_from_the_request_they_extend(monkeypatch):
-    first = {"model": "m", "messages": [{"role": "user", "content": "a"},
-                                        {"role": "assistant", "content": "b"}]}
+    first = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+    }
     second = {"model": "m", "messages": [*first["messages"], {"role": "user", "content": "c"}]}
     hashed = []
     original = cont.canonical_message
-    monkeypatch.setattr(cont, "canonical_message",
-                        lambda m, **kw: hashed.append(m) or original(m, **kw))
+    monkeypatch.setattr(
+        cont, "canonical_message", lambda m, **kw: hashed.append(m) or original(m, **kw)
+    )
     earlier = RequestKeys(first)
     hashed.clear()
     rolled = RequestKeys(second, [earlier])
@@ -340,6 +356,28 @@ def test_split_around(turn, tail, other):
     assert split_around(turn, other, "engine") is None
 
 
+@settings(max_examples=300, deadline=None)
+@given(conversations(), st.integers(0, 30))
+def test_opening_messages_is_the_encoding_of_the_first_ones(conv, upto):
+    messages = conv[0][-1]["messages"]
+    encoded = msgspec.json.encode(messages)
+    assert opening_messages(encoded, messages, upto) == msgspec.json.encode(messages[:upto])
+
+
+token_ids = st.lists(st.integers(0, 2**27) | st.sampled_from([0, 1, 10, 100]), max_size=40)
+
+
+@settings(max_examples=400, deadline=None)
+@given(token_ids.filter(bool), token_ids, token_ids, st.booleans())
+def test_split_spans_is_split_around_of_the_parsed_renders(turn, tail, other, spaced):
+    # As the engine writes them (compact), or with spaces (parsed whole then).
+    def dump(ids):
+        return json.dumps(ids, separators=(",   ", ":") if spaced else (",", ":")).encode()
+
+    for full in (turn + tail, other, turn[:-1], turn[:-1] + [turn[-1] * 10 + 1]):
+        assert split_spans(dump(turn), dump(full), "engine") == split_around(turn, full, "engine")
+
+
 def test_counts_by_path_and_reason():
     records = [
         {"path": "render", "reason": cont.FIRST_TURN},
@@ -419,7 +457,7 @@ class _Engine:
     async def render(self, upstream, body):
         return [1, 2, 3]
 
-    async def around(self, upstream, body, upto):
+    async def around(self, upstream, body, upto, messages_json=None):
         return Around((1,), [2, 3], "engine")
 
 

@@ -102,3 +102,13 @@ def test_the_capture_keeps_the_ids_it_was_handed_first() -> None:
 )  # fmt: skip
 def test_edge_cases_parse_or_fail_as_the_list_path(span) -> None:
     same_as_list_path(span)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids, ids, whitespace, st.booleans())
+def test_join_is_the_array_of_both(a, b, ws, spaced):
+    def dump(x):
+        text = json.dumps(x, separators=None if spaced else (",", ":"))
+        return (text if x else f"[{ws}]").encode()
+
+    assert msgspec.json.decode(engine_ids.join(dump(a), dump(b))) == a + b

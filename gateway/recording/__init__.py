@@ -18,6 +18,7 @@ import asyncpg
 import msgspec
 import numpy as np
 
+from gateway import engine_ids
 from gateway.merge import best_base
 from gateway.protocols.errors import GatewayError
 from gateway.recording.recorder import Recorder, Unavailable
@@ -156,6 +157,9 @@ class Recording:
                 turn.keys if turn else None,
                 body=call.raw if self._record_bodies else None,
                 reply=summary if self._record_bodies else b"",
+                full_json=None
+                if call.prompt_json is None
+                else engine_ids.join(call.prompt_json, _encode(completion.tolist())),
             )
         if reply_keys:
             self._continuer.remember(rollout_id, call.id, reply_keys)

@@ -88,6 +88,9 @@ class RecentCall(NamedTuple):
     # request body is a delta against (store/bodies).
     body: bytes | None = None
     reply: bytes = b""
+    # `full` as a JSON array (the engine's text of the prompt ids, then the sampled ids): a
+    # continuation's prompt is sent as this text extended, not as its ids encoded again.
+    full_json: bytes | None = None
 
     @property
     def nbytes(self) -> int:
@@ -96,6 +99,7 @@ class RecentCall(NamedTuple):
             + self.full.nbytes
             + (len(self.body) if self.body is not None else 0)
             + len(self.reply)
+            + (len(self.full_json) if self.full_json is not None else 0)
             + (self.keys.nbytes if self.keys is not None else 0)
         )
 
@@ -109,7 +113,7 @@ class RecentCalls:
     Bounded by bytes (`max_bytes`): the least recently used rollouts are dropped first; a
     rollout whose calls alone exceed the bound is not kept at all. Only the newest `heavy`
     calls of a rollout keep their body and keys (as large as the conversation again, and
-    needed only of the call a conversation's next request extends)."""
+    needed only of the call a conversation's next request extends), and their ids' JSON."""
 
     def __init__(self, max_bytes: int = 512 << 20, per_rollout: int = 8, heavy: int = 4) -> None:
         self.max_bytes = max_bytes
@@ -151,11 +155,12 @@ class RecentCalls:
         keys: Any = None,
         body: bytes | None = None,
         reply: bytes = b"",
+        full_json: bytes | None = None,
     ) -> None:
         if rollout_id not in self._calls:
             self._calls[rollout_id] = deque()
         self._calls.move_to_end(rollout_id)
-        self._append(rollout_id, RecentCall(call_id, full_ids, keys, body, reply))
+        self._append(rollout_id, RecentCall(call_id, full_ids, keys, body, reply, full_json))
         self._bound()
 
     def forget(self, rollout_id: UUID) -> None:
@@ -170,8 +175,10 @@ class RecentCalls:
         self.nbytes += call.nbytes
         if len(calls) > self.heavy:
             old = calls[-self.heavy - 1]
-            if old.keys is not None or old.body is not None:
-                calls[-self.heavy - 1] = light = old._replace(keys=None, body=None, reply=b"")
+            if old.keys is not None or old.body is not None or old.full_json is not None:
+                calls[-self.heavy - 1] = light = old._replace(
+                    keys=None, body=None, reply=b"", full_json=None
+                )
                 self.nbytes += light.nbytes - old.nbytes
 
     def _bound(self) -> None:
