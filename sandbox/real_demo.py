@@ -236,7 +236,9 @@ def _train(args, ctx: dict, train, heldout, evaluations: list[Evaluation]) -> li
          "--threads", "2"],
         workdir / "bridge.log", env={"ROLLTAP_ADMIN_KEY": ctx["admin_key"]},
     )
-    groups = args.steps * 3  # more than the bridge can use; the rest is stopped unplayed
+    # Groups until the bridge is done: some are dropped (all rewards equal, or stale), so no
+    # fixed number is enough; the backlog keeps the runner one group ahead, and `halt()` ends it.
+    groups = args.steps * len(train) * 4
     player = _Player(tasks=train, harness=ctx["harness"], gateway=ctx["gateway"],
                      admin_key=ctx["admin_key"], run_id=run_id,
                      state=workdir / f"{run_id}.jsonl", group_size=args.group_size,
