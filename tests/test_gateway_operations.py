@@ -161,14 +161,14 @@ def test_sigterm_drains_open_streams(vllm_server, database_url, tmp_path, drain_
     streams = [OpenStream(r["openai_base_url"], r["api_key"],
                           long_stream_body(vllm_server.model, tokens)) for r in rollouts]
     for s in streams:
-        assert s.started.wait(180) and s.exception is None, s.exception
+        s.wait_started(180)
     gw.proc.send_signal(signal.SIGTERM)
     assert gw.proc.wait(120) == 0, gw.log_tail()
     for s in streams:
         s.join(30)
     rows = {r["rollout_id"]: r for r in asyncio.run(
         _calls_of(database_url, [r["rollout_id"] for r in rollouts]))}
-    assert len(rows) == 16  # every call recorded, none lost
+    assert len(rows) == 16, gw.log_tail()  # every call recorded, none lost
     for r, s in zip(rollouts, streams):
         row = rows[r["rollout_id"]]
         assert row["ids"] == row["lps"] == row["vs"]  # 4 bytes a token each: none half-written
@@ -267,7 +267,7 @@ def test_past_max_inflight_callers_get_protocol_shaped_429_and_529(vllm_server, 
         streams = [OpenStream(rollout["openai_base_url"], rollout["api_key"],
                               long_stream_body(vllm_server.model, 20000)) for _ in range(2)]
         for s in streams:
-            assert s.started.wait(180) and s.exception is None
+            s.wait_started(180)
         oai = openai.OpenAI(base_url=rollout["openai_base_url"], api_key=rollout["api_key"],
                             max_retries=0)
         with pytest.raises(openai.RateLimitError) as info:

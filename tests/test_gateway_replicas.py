@@ -83,7 +83,7 @@ def test_killed_replica_fails_its_streams_moves_its_rollouts_and_comes_back(
             long_stream_body(vllm_server.model, 20000 if r in on_victim else 1000))
             for r in rollouts}
         for s in streams.values():
-            assert s.started.wait(180) and s.exception is None, s.exception
+            s.wait_started(180)
         second_replica["vllm"].send_signal(signal.SIGKILL)
         second_replica["vllm"].process.wait(30)
         for s in streams.values():
@@ -146,7 +146,7 @@ def test_frozen_replica_ends_the_stream_with_an_error_and_counts_a_failure(
     try:
         r = gw.new_rollout(task_id="frozen")
         s = OpenStream(r["openai_base_url"], r["api_key"], long_stream_body(vllm_server.model))
-        assert s.started.wait(180) and s.exception is None
+        s.wait_started(180)
         victim.send_signal(signal.SIGSTOP)
         try:
             s.join(60)
