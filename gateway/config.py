@@ -6,6 +6,7 @@ import argparse
 import os
 import secrets
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from gateway.merge import MergeOptions
@@ -98,6 +99,43 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"ROLLTAP_{name}", default)
 
 
+def _option(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    kind,
+    default,
+    help_text: str,
+    metavar: str | None = None,
+    show_default: bool = True,
+) -> None:
+    """A flag whose environment fallback is ROLLTAP_ and its name (`--max-inflight`:
+    ROLLTAP_MAX_INFLIGHT); `default` is used when neither is given."""
+    env = flag.removeprefix("--").replace("-", "_").upper()
+    value = _env(env)
+    parser.add_argument(
+        flag,
+        type=kind,
+        default=kind(value) if value is not None else default,
+        metavar=metavar,
+        help=f"{help_text} (env ROLLTAP_{env}"
+        + ("; default %(default)s)" if show_default else ")"),
+    )
+
+
+def _switch(
+    parser: argparse.ArgumentParser, flag: str, env: str, help_text: str, off: bool = False
+) -> None:
+    """An on/off flag: given, or its environment variable set to 1/true/yes; with `off`, the
+    variable names what the flag turns off, and 0/false/no sets the flag."""
+    words = ("0", "false", "no") if off else ("1", "true", "yes")
+    parser.add_argument(
+        flag,
+        action="store_true",
+        default=(_env(env) or "").lower() in words,
+        help=f"{help_text} (env ROLLTAP_{env}={words[0]})",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_upstreams = [u for u in (_env("UPSTREAMS") or "").split(",") if u]
     parser.add_argument(
@@ -110,87 +148,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "healthy; more can be added at run time (POST /admin/upstreams).",
     )
     parser.set_defaults(env_upstreams=env_upstreams)
-    parser.add_argument(
-        "--host", default=_env("HOST", "127.0.0.1"), help="bind address (env ROLLTAP_HOST)"
-    )
-    parser.add_argument(
-        "--port", type=int, default=int(_env("PORT", "9000")), help="bind port (env ROLLTAP_PORT)"
-    )
-    parser.add_argument(
-        "--database-url",
-        default=_env("DATABASE_URL"),
-        metavar="DSN",
-        help="Postgres DSN (env ROLLTAP_DATABASE_URL). Without it an embedded Postgres is started "
-        "in --data-dir.",
-    )
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=Path(_env("DATA_DIR") or default_data_dir()),
-        help="where the embedded Postgres keeps its data "
-        "(env ROLLTAP_DATA_DIR; default %(default)s)",
-    )
-    parser.add_argument(
-        "--admin-key",
-        default=_env("ADMIN_KEY"),
-        help="key for /admin routes (env ROLLTAP_ADMIN_KEY). "
-        "If unset, one is generated and printed.",
-    )
-    parser.add_argument(
-        "--public-url",
-        default=_env("PUBLIC_URL", ""),
-        help="base URL sandboxes reach the gateway at, handed out by POST /admin/rollouts "
-        "(env ROLLTAP_PUBLIC_URL; default http://HOST:PORT)",
-    )
-    parser.add_argument(
-        "--unix-socket",
-        type=Path,
-        default=_env("UNIX_SOCKET"),
-        metavar="PATH",
-        help="also listen on this Unix socket; `rolltap rollouts --gateway-socket PATH` binds it "
-        "into confined sandboxes as their only way out (env ROLLTAP_UNIX_SOCKET)",
-    )
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=float(_env("TEMPERATURE", "1.0")),
-        help="sampling temperature of the training policy; top_p 1, no top_k/min_p/penalties "
-        "(env ROLLTAP_TEMPERATURE; default %(default)s)",
-    )
-    parser.add_argument(
-        "--max-body-mb",
-        type=float,
-        default=float(_env("MAX_BODY_MB", "32")),
-        help="largest request body accepted, in MiB (env ROLLTAP_MAX_BODY_MB; default %(default)s)",
-    )
-    parser.add_argument(
-        "--upstream-timeout",
-        type=float,
-        default=float(_env("UPSTREAM_TIMEOUT", "600")),
-        help="seconds a single upstream call may take (env ROLLTAP_UPSTREAM_TIMEOUT)",
-    )
-    parser.add_argument(
-        "--no-record-bodies",
-        action="store_true",
-        default=_env("RECORD_BODIES", "1") in ("0", "false", "no"),
-        help="do not keep compressed request/response bodies (token records are always kept)",
-    )
-    parser.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=int(_env("DEFAULT_MAX_TOKENS", "0")) or None,
-        metavar="N",
-        help="output cap for requests that set none (Codex sends none); default: the engine's "
-        "context limit (env ROLLTAP_DEFAULT_MAX_TOKENS). Codex exits 1 when this cap binds "
-        "(an incomplete response): leave it unset for Codex rollouts",
-    )
-    parser.add_argument(
-        "--rollout-timeout",
-        type=float,
-        default=float(_env("ROLLOUT_TIMEOUT", "0")) or None,
-        metavar="SECONDS",
-        help="default deadline of a rollout that names none; past it the rollout ends as timeout",
-    )
+    option = partial(_option, parser)
+    option("--host", str, "127.0.0.1", "bind address")
+    option("--port", int, 9000, "bind port")
+    option("--database-url", str, None, "Postgres DSN. Without it an embedded Postgres is "
+           "started in --data-dir", "DSN", show_default=False)
+    option("--data-dir", Path, default_data_dir(), "where the embedded Postgres keeps its data")
+    option("--admin-key", str, None, "key for /admin routes. If unset, one is generated and "
+           "printed", "KEY", show_default=False)
+    option("--public-url", str, "", "base URL sandboxes reach the gateway at, handed out by "
+           "POST /admin/rollouts; default http://HOST:PORT", "URL", show_default=False)
+    option("--unix-socket", Path, None, "also listen on this Unix socket; `rolltap rollouts "
+           "--gateway-socket PATH` binds it into confined sandboxes as their only way out",
+           "PATH", show_default=False)
+    option("--temperature", float, 1.0, "sampling temperature of the training policy; top_p 1, "
+           "no top_k/min_p/penalties")
+    option("--max-body-mb", float, 32.0, "largest request body accepted, in MiB", "MIB")
+    option("--upstream-timeout", float, 600.0, "seconds a single upstream call may take",
+           "SECONDS")
+    option("--default-max-tokens", int, 0, "output cap for requests that set none (Codex sends "
+           "none); 0: the engine's context limit. Codex exits 1 when this cap binds (an "
+           "incomplete response): leave it unset for Codex rollouts", "N")
+    option("--rollout-timeout", float, 0.0, "default deadline of a rollout that names none, in "
+           "seconds; past it the rollout ends as timeout; 0: none", "SECONDS")
     parser.add_argument(
         "--continuation",
         choices=("exact", "render"),
@@ -200,117 +180,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "re-render the conversation (drift forks the sequence) (env ROLLTAP_CONTINUATION; "
         "default %(default)s)",
     )
-    parser.add_argument(
-        "--local-template",
-        type=Path,
-        default=_env("LOCAL_TEMPLATE"),
-        metavar="MODEL_DIR",
-        help="the served model's directory (tokenizer.json, tokenizer_config.json): render "
-        "exact continuations in the gateway with its chat template and tokenizer, which saves "
-        "the engine round trip; used only where a self-check against the engine shows the same "
-        "ids, and cross-checked on a sample of calls (env ROLLTAP_LOCAL_TEMPLATE)",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        type=Path,
-        default=_env("TOKENIZER"),
-        metavar="MODEL_DIR",
-        help="the served model's directory; the trace viewer (/ui) shows token text decoded "
-        "with its tokenizer.json (env ROLLTAP_TOKENIZER; default: --local-template)",
-    )
-    parser.add_argument(
-        "--no-access-log",
-        action="store_true",
-        default=_env("ACCESS_LOG", "1") in ("0", "false", "no"),
-        help="do not log one line per HTTP call (method, route, status, latency, rollout, "
-        "request id) (env ROLLTAP_ACCESS_LOG=0)",
-    )
-    parser.add_argument(
-        "--db-acquire-timeout",
-        type=float,
-        default=float(_env("DB_ACQUIRE_TIMEOUT", "2")),
-        metavar="SECONDS",
-        help="longest wait for a database connection (also connecting) before a call fails "
-        "with 503 (env ROLLTAP_DB_ACQUIRE_TIMEOUT; default %(default)s)",
-    )
-    parser.add_argument(
-        "--db-command-timeout",
-        type=float,
-        default=float(_env("DB_COMMAND_TIMEOUT", "2")),
-        metavar="SECONDS",
-        help="longest a database statement (a commit of call records included) may take "
-        "before the calls waiting on it fail with 503 (env ROLLTAP_DB_COMMAND_TIMEOUT; "
-        "default %(default)s)",
-    )
-    parser.add_argument(
-        "--max-pending-records",
-        type=int,
-        default=int(_env("MAX_PENDING_RECORDS", "4096")),
-        metavar="N",
-        help="call records that may wait for their commit; beyond that new calls are turned "
-        "away with 503/529 and Retry-After (env ROLLTAP_MAX_PENDING_RECORDS; default "
-        "%(default)s)",
-    )
-    parser.add_argument(
-        "--recent-calls-mib",
-        type=int,
-        default=int(_env("RECENT_CALLS_MIB", "512")),
-        metavar="MIB",
-        help="memory for running rollouts' latest calls (ids, bodies, continuation keys); "
-        "past it the least recently used are read back from the database "
-        "(env ROLLTAP_RECENT_CALLS_MIB; default %(default)s)",
-    )
+    option("--local-template", Path, None, "the served model's directory (tokenizer.json, "
+           "tokenizer_config.json): render exact continuations in the gateway with its chat "
+           "template and tokenizer, which saves the engine round trip; used only where a "
+           "self-check against the engine shows the same ids, and cross-checked on a sample of "
+           "calls", "MODEL_DIR", show_default=False)
+    option("--tokenizer", Path, None, "the served model's directory; the trace viewer (/ui) "
+           "shows token text decoded with its tokenizer.json; default: --local-template",
+           "MODEL_DIR", show_default=False)
+    _switch(parser, "--no-record-bodies", "RECORD_BODIES",
+            "do not keep compressed request/response bodies (token records are always kept)",
+            off=True)
+    _switch(parser, "--no-access-log", "ACCESS_LOG", "do not log one line per HTTP call "
+            "(method, route, status, latency, rollout, request id)", off=True)
+    option("--db-acquire-timeout", float, 2.0, "longest wait for a database connection (also "
+           "connecting) before a call fails with 503", "SECONDS")
+    option("--db-command-timeout", float, 2.0, "longest a database statement (a commit of call "
+           "records included) may take before the calls waiting on it fail with 503", "SECONDS")
+    option("--max-pending-records", int, 4096, "call records that may wait for their commit; "
+           "beyond that new calls are turned away with 503/529 and Retry-After", "N")
+    option("--recent-calls-mib", int, 512, "memory for running rollouts' latest calls (ids, "
+           "bodies, continuation keys); past it the least recently used are read back from the "
+           "database", "MIB")
     for what, why in (
         ("constrained", "calls sampled under a grammar, forced tool or banned/forced tokens"),
         ("auxiliary", "sequences none of whose calls offered tools (titles, summaries)"),
         ("abandoned", "retries the harness did not continue"),
         ("aborted", "calls the client abandoned mid-stream or that failed"),
     ):
-        parser.add_argument(
-            f"--train-{what}",
-            action="store_true",
-            default=_env(f"TRAIN_{what.upper()}", "0") in ("1", "true", "yes"),
-            help=f"merge: also train {why} (excluded by default; env ROLLTAP_TRAIN_{what.upper()})",
-        )
-    _add_scale_arguments(parser)
-
-
-def _add_scale_arguments(parser: argparse.ArgumentParser) -> None:
-    def option(flag: str, env: str, kind, default, help_text: str, metavar: str = "N") -> None:
-        parser.add_argument(
-            flag,
-            type=kind,
-            default=kind(_env(env, str(default))) if default is not None or _env(env) else None,
-            metavar=metavar,
-            help=f"{help_text} (env ROLLTAP_{env}; default %(default)s)",
-        )
-
-    option("--eject-after", "EJECT_AFTER", int, 3,
+        _switch(parser, f"--train-{what}", f"TRAIN_{what.upper()}",
+                f"merge: also train {why} (excluded by default)")
+    # Operating many replicas and gateways (README, "Running at scale").
+    option("--eject-after", int, 3,
            "consecutive failures (probes, connect errors, 5xx, broken or frozen streams) that "
-           "take a replica out of service until a /health probe passes")
-    option("--probe-interval", "PROBE_INTERVAL", float, 2.0,
+           "take a replica out of service until a /health probe passes", "N")
+    option("--probe-interval", float, 2.0,
            "seconds between /health probes of every replica", "SECONDS")
-    option("--replica-max-inflight", "REPLICA_MAX_INFLIGHT", int, None,
-           "new rollouts avoid a replica with this many calls in flight while another has room")
-    option("--ttft-timeout", "TTFT_TIMEOUT", float, 120.0,
+    option("--replica-max-inflight", int, None,
+           "new rollouts avoid a replica with this many calls in flight while another has room",
+           "N")
+    option("--ttft-timeout", float, 120.0,
            "seconds a stream may wait for its first chunk; then the call fails and the replica "
            "counts a failure", "SECONDS")
-    option("--stream-idle-timeout", "STREAM_IDLE_TIMEOUT", float, 30.0,
+    option("--stream-idle-timeout", float, 30.0,
            "seconds a stream may go without a chunk; then the call fails and the replica "
            "counts a failure", "SECONDS")
-    option("--max-inflight", "MAX_INFLIGHT", int, 1024,
+    option("--max-inflight", int, 1024,
            "model calls served at once; past it callers get 429 (OpenAI) or 529 (Anthropic) "
-           "with Retry-After")
-    option("--drain-timeout", "DRAIN_TIMEOUT", float, 30.0,
+           "with Retry-After", "N")
+    option("--drain-timeout", float, 30.0,
            "on SIGTERM/SIGINT, seconds in-flight calls may still finish; then they are "
            "recorded aborted and ended with an error event", "SECONDS")
-    option("--idle-timeout", "IDLE_TIMEOUT", float, 15.0,
+    option("--idle-timeout", float, 15.0,
            "seconds a connection may take to send a request head, also between keep-alive "
            "requests; then it is closed", "SECONDS")
-    option("--body-timeout", "BODY_TIMEOUT", float, 30.0,
+    option("--body-timeout", float, 30.0,
            "seconds a request may take to send its body; then it gets 408", "SECONDS")
-    option("--db-pool-size", "DB_POOL_SIZE", int, 10,
-           "Postgres connections in the pool (at least 4)")
+    option("--db-pool-size", int, 10, "Postgres connections in the pool (at least 4)", "N")
 
 
 def from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -340,8 +266,8 @@ def _config(args: argparse.Namespace, upstreams: list[str]) -> GatewayConfig:
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         upstream_timeout_s=args.upstream_timeout,
         record_bodies=not args.no_record_bodies,
-        rollout_timeout_s=args.rollout_timeout,
-        default_max_tokens=args.default_max_tokens,
+        rollout_timeout_s=args.rollout_timeout or None,
+        default_max_tokens=args.default_max_tokens or None,
         continuation=args.continuation,
         local_template=args.local_template,
         db_acquire_timeout_s=args.db_acquire_timeout,
