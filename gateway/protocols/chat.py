@@ -108,19 +108,23 @@ def parse_request(raw: bytes) -> dict:
     return body
 
 
-def to_upstream(body: dict) -> tuple[dict, Context]:
-    opts = body.get("stream_options") or {}
-    ctx = Context(
+def context(body: dict, echo: Echo) -> Context:
+    """What answering a request needs to know of it (legacy completions too)."""
+    return Context(
         model=body["model"],
         stream=bool(body.get("stream")),
-        echo=Echo(
-            token_ids=bool(body.get("return_token_ids")),
-            logprobs=bool(body.get("logprobs")),
-            reasoning=body.get("include_reasoning") is not False,
-        ),
-        include_usage=bool(opts.get("include_usage")),
+        echo=echo,
+        include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
     )
-    return body, ctx
+
+
+def to_upstream(body: dict) -> tuple[dict, Context]:
+    echo = Echo(
+        token_ids=bool(body.get("return_token_ids")),
+        logprobs=bool(body.get("logprobs")),
+        reasoning=body.get("include_reasoning") is not False,
+    )
+    return body, context(body, echo)
 
 
 def from_upstream(resp: dict, ctx: Context) -> bytes:

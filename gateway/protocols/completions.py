@@ -57,16 +57,10 @@ def parse_request(raw: bytes) -> dict:
 
 
 def to_upstream(body: dict) -> tuple[dict, Context]:
-    opts = body.get("stream_options") or {}
-    ctx = Context(
-        model=body["model"],
-        stream=bool(body.get("stream")),
-        echo=Echo(
-            token_ids=bool(body.get("return_token_ids")), logprobs=body.get("logprobs") is not None
-        ),
-        include_usage=bool(opts.get("include_usage")),
+    echo = Echo(
+        token_ids=bool(body.get("return_token_ids")), logprobs=body.get("logprobs") is not None
     )
-    return body, ctx
+    return body, chat.context(body, echo)
 
 
 def from_upstream(resp: dict, ctx: Context) -> bytes:
