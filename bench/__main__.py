@@ -1,4 +1,5 @@
-"""`make bench`: every benchmark section (each `bench/bench_*.py` with `run(print_fn)`) in one run.
+"""`make bench`: every benchmark section in one run: each `bench/bench_*.py` with
+`run(print_fn)`, then each `bench/peer_*.py` (another project's proxy measured against rolltap's).
 
 A section that fails does not stop the others; the run exits non-zero if any failed.
 """
@@ -15,11 +16,19 @@ from pathlib import Path
 
 def sections() -> list[str]:
     here = str(Path(__file__).resolve().parent)
-    return sorted(
-        f"bench.{m.name}"
-        for m in pkgutil.iter_modules([here])
-        if m.name.startswith("bench_") and not m.ispkg
-    )
+    modules = [m.name for m in pkgutil.iter_modules([here]) if not m.ispkg]
+    return [
+        f"bench.{name}"
+        for prefix in ("bench_", "peer_")
+        for name in sorted(modules)
+        if name.startswith(prefix)
+    ]
+
+
+def short(name: str) -> str:
+    """What names a section on the command line: `gateway` for bench.bench_gateway,
+    `peer_openenv` for bench.peer_openenv."""
+    return name.removeprefix("bench.").removeprefix("bench_")
 
 
 def main(argv: list[str]) -> int:
@@ -27,7 +36,7 @@ def main(argv: list[str]) -> int:
     names = sections()
     if argv:
         wanted = {a.removeprefix("bench_").removesuffix(".py") for a in argv}
-        names = [n for n in names if n.removeprefix("bench.bench_") in wanted]
+        names = [n for n in names if short(n) in wanted]
     failed: list[str] = []
     timings: list[tuple[str, float]] = []
     for name in names:
