@@ -18,8 +18,9 @@ aiohttp pass-through (`bench/gateway_contexts.py`) as the reference the gateway 
 The gateway runs as deployed: at the default log level (INFO: one access-log line per call;
 a line takes 20-40 µs on its own, yet INFO measured 200-240 µs a call dearer than WARNING at
 c=64 on a busy machine), bodies recorded. After the scenarios below come
-the costs by context length (512, 8k and 32k prompt tokens) and the recorder's batch-commit
-variants.
+the costs by context length (512, 8k and 32k prompt tokens), the recorder's batch-commit
+variants and Postgres CPU per recorded call measured on the recorder's INSERT alone, next to
+the commit floor (`bench/postgres_cost.py`).
 
     python -m bench.bench_gateway          # this section alone; `python -m bench` runs all
 """
@@ -54,6 +55,7 @@ TOOL_ROUND = standin.DATA / "tool_round.json"
 TARGET_ADDED_P50_MS = 1.0  # at concurrency 1
 TARGET_CPU_PER_REQUEST_US = 400.0  # non-streamed
 TARGET_CPU_PER_CHUNK_US = 20.0
+TARGET_POSTGRES_CPU_US = 150.0  # per recorded call
 # Measured elsewhere on the same kind of stand-in; printed for scale only, not measured here.
 # OpenEnv's capture proxy is measured in this run instead (bench/peer_openenv.py).
 PEERS = (("LiteLLM proxy", 34_000, 33, ""),)
@@ -488,7 +490,8 @@ def table_rows(sc: Scenario, r: dict, stream_events: int) -> list[tuple[str, ...
             rows.append(("  marginal: (stream-whole)/chunks", "",
                          _num(r["marginal_cpu_us_per_chunk"], 1), "", ""))  # fmt: skip
     rows += [
-        ("Postgres CPU per request (µs)", "", _num(r["postgres_cpu_us_per_request"], 0), "", ""),
+        ("Postgres CPU per request (µs)", "", _num(r["postgres_cpu_us_per_request"], 0), "",
+         _target(r["postgres_cpu_us_per_request"], TARGET_POSTGRES_CPU_US, "µs")),
         ("stand-in CPU per request (µs)", _num(d["standin_cpu_us"], 0),
          _num(g["standin_cpu_us"], 0), "", ""),
         ("load generator CPU per request (µs)", _num(d["client_cpu_us"], 0),
@@ -636,7 +639,7 @@ def add_marginals(rows: dict, stream_events: int) -> None:
 
 
 def run(print_fn=print) -> dict:
-    from bench import gateway_contexts, recorder_variants  # they build on this module
+    from bench import gateway_contexts, postgres_cost, recorder_variants  # built on this module
 
     datname = f"rolltap_bench_{uuid.uuid4().hex[:10]}"
     dsn = f"{POSTGRES_URL.rpartition('/')[0]}/{datname}"
@@ -659,6 +662,7 @@ def run(print_fn=print) -> dict:
         print_fn("\nby context, as deployed (INFO log level, access log on, bodies recorded):")
         contexts = gateway_contexts.run(dsn, datname, print_fn)
         recorder = recorder_variants.run(dsn, print_fn)
+        postgres = postgres_cost.run(dsn, print_fn)
     finally:
         admin_sql(f'DROP DATABASE IF EXISTS "{datname}" WITH (FORCE)')
     print_fn(f"load average at the end: {os.getloadavg()[0]:.1f}")
@@ -668,6 +672,7 @@ def run(print_fn=print) -> dict:
         "scenarios": rows,
         "contexts": contexts,
         "recorder": recorder,
+        "postgres": postgres,
         "lost_records": lost,
         "stream_events": stream_events,
         "commit_p50_ms": commit_ms,
@@ -684,6 +689,11 @@ def run(print_fn=print) -> dict:
                 if s.stream
             ),
             "no_lost_records": lost["lost"] == 0,
+            "postgres_cpu_us_per_call": all(
+                rows[s.name]["postgres_cpu_us_per_request"] <= TARGET_POSTGRES_CPU_US
+                for s in plain
+                if not s.stream
+            ),
         },
     }
 

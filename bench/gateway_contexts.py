@@ -31,6 +31,7 @@ import numpy as np
 from bench import conversation_load, standin
 from bench.bench_gateway import (
     POSTGRES_URL,
+    TARGET_POSTGRES_CPU_US,
     Gateway,
     LoadResult,
     LoadSpec,
@@ -46,7 +47,7 @@ COMPLETION_TOKENS = 32
 GOAL_CPU_US = 400.0
 GOAL_ADDED_P50_MS = 1.0
 GOAL_CHUNK_US = 15.0
-GOAL_POSTGRES_US = 150.0
+GOAL_POSTGRES_US = TARGET_POSTGRES_CPU_US
 
 
 LONG_STREAM_TOKENS = 256  # a stream this long tells one chunk's cost from a call's

@@ -6,8 +6,8 @@
 - `copy`: `copy_records_to_table` into a temporary table, then one INSERT ... SELECT from it,
   in an explicit transaction.
 
-All three commit before they return, number a rollout's calls in batch order and fire the
-trigger that refuses calls of an ended rollout. Each is timed on one connection on the same
+All three commit before they return, number a rollout's calls in batch order and refuse calls
+of an ended rollout. Each is timed on one connection on the same
 rows (a 512-token call: 64 new prompt ids, 32 sampled, compressed bodies, reply keys):
 client wall time and the Postgres backend's CPU (/proc) per row, at the batch sizes group
 commit produces at concurrency 1 and under load.
@@ -49,6 +49,12 @@ _COLUMNS = (
     ("started_at", "timestamptz"),
 )  # fmt: skip
 _TARGET = [c for c, _ in _COLUMNS if c not in ("key_from", "key_count")]
+# A row's seq, or the refusal of a call of an ended rollout, as the recorder's INSERT does.
+_SEQ = (
+    "CASE WHEN bump.status = 'running'"
+    " THEN bump.before + row_number() OVER (PARTITION BY r.rollout_id ORDER BY r.ord)"
+    " ELSE rolltap_refuse_call(r.rollout_id) END"
+)
 INSERT_MANY = f"""
 WITH r AS (
     SELECT * FROM unnest({", ".join(f"${i + 1}::{t}[]" for i, (_, t) in enumerate(_COLUMNS))})
@@ -57,13 +63,13 @@ WITH r AS (
     SELECT rollout_id, count(*)::int AS k FROM r GROUP BY rollout_id
 ), bump AS (
     UPDATE rollouts SET call_count = call_count + n.k FROM n WHERE rollouts.id = n.rollout_id
-    RETURNING rollouts.id, rollouts.call_count - n.k AS before
+    RETURNING rollouts.id, rollouts.call_count - n.k AS before, rollouts.status
 )
 INSERT INTO calls ({", ".join(_TARGET)}, reply_keys, seq)
 SELECT {", ".join("r." + c for c in _TARGET)},
        CASE WHEN r.key_count IS NULL THEN NULL
             ELSE (${len(_COLUMNS) + 1}::bytea[])[r.key_from : r.key_from + r.key_count - 1] END,
-       bump.before + row_number() OVER (PARTITION BY r.rollout_id ORDER BY r.ord)
+       {_SEQ}
 FROM r JOIN bump ON bump.id = r.rollout_id
 ORDER BY r.ord
 """
@@ -112,12 +118,12 @@ WITH n AS (
     SELECT rollout_id, count(*)::int AS k FROM {_STAGE} GROUP BY rollout_id
 ), bump AS (
     UPDATE rollouts SET call_count = call_count + n.k FROM n WHERE rollouts.id = n.rollout_id
-    RETURNING rollouts.id, rollouts.call_count - n.k AS before
+    RETURNING rollouts.id, rollouts.call_count - n.k AS before, rollouts.status
 )
 INSERT INTO calls ({", ".join(_STAGE_COLUMNS)}, reply_keys, seq)
 SELECT {", ".join("r." + c + ("::jsonb" if c in _JSON else "") for c in _STAGE_COLUMNS)},
        r.reply_keys,
-       bump.before + row_number() OVER (PARTITION BY r.rollout_id ORDER BY r.ord)
+       {_SEQ}
 FROM {_STAGE} r JOIN bump ON bump.id = r.rollout_id
 ORDER BY r.ord
 """
@@ -190,13 +196,19 @@ def _records(rollouts: list[uuid.UUID], n: int) -> list[calls_store.CallRecord]:
     return out
 
 
-async def _compare(dsn: str) -> dict:
+async def migrated(dsn: str):
+    """A connection to `dsn` as the gateway's pool makes them, on the newest schema."""
     import asyncpg
 
     conn = await asyncpg.connect(dsn)
+    await _init_connection(conn)
+    await migrate(conn)
+    return conn
+
+
+async def _compare(dsn: str) -> dict:
+    conn = await migrated(dsn)
     try:
-        await _init_connection(conn)
-        await migrate(conn)
         await conn.execute(_STAGE_DDL)
         pid = conn.get_server_pid()
         out: dict[str, dict[int, dict]] = {v: {} for v in VARIANTS}

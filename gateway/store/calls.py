@@ -56,10 +56,13 @@ class CallRecord(msgspec.Struct, kw_only=True):
 
 
 # The rollout row lock taken by the UPDATE numbers a rollout's calls in commit order, also when
-# several gateways record calls of one rollout at once.
+# several gateways record calls of one rollout at once. A call of a rollout that has ended is
+# refused (SQLSTATE RT409), not silently kept out of its traces: finishing takes the same row
+# lock, and the UPDATE returns the status as of that lock, so either the call commits before
+# the finish (and is merged) or it is refused.
 INSERT = """
 WITH bump AS (
-    UPDATE rollouts SET call_count = call_count + 1 WHERE id = $2 RETURNING call_count
+    UPDATE rollouts SET call_count = call_count + 1 WHERE id = $2 RETURNING call_count, status
 )
 INSERT INTO calls (
     id, rollout_id, seq, protocol, status, base_id, prefix_len, prompt_len, prompt_delta,
@@ -68,7 +71,9 @@ INSERT INTO calls (
     continuation, reply_keys, rerouted, constrained, body_digest, retry_count, started_at,
     request_base
 )
-SELECT $1, $2, bump.call_count, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
+SELECT $1, $2,
+       CASE WHEN bump.status = 'running' THEN bump.call_count ELSE rolltap_refuse_call($2) END,
+       $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
        $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32
 FROM bump
 """
