@@ -41,6 +41,7 @@ async def _serve(cfg) -> None:
     from gateway import access_log
     from gateway.app import build_app
     from gateway.store.db import open_pool, start_embedded
+    from gateway.store.migrations import SchemaTooNew
 
     dsn = cfg.database_url
     if dsn is None:
@@ -56,6 +57,8 @@ async def _serve(cfg) -> None:
             acquire_timeout=cfg.db_acquire_timeout_s,
             command_timeout=cfg.db_command_timeout_s,
         )
+    except SchemaTooNew as exc:
+        raise SystemExit(f"rolltap gateway: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - asyncpg raises many unrelated types here
         raise SystemExit(
             f"rolltap gateway: cannot open database {dsn!r}: {exc}. Check "

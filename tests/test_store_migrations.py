@@ -115,3 +115,18 @@ def test_an_upgrade_keeps_stored_calls_and_refuses_late_ones(dsn, monkeypatch):
             await conn.close()
 
     asyncio.run(scenario())
+
+
+def test_a_schema_newer_than_this_rolltap_is_refused(dsn):
+    """An older gateway must not record into a schema whose rules it does not apply."""
+    async def scenario():
+        conn = await asyncpg.connect(dsn)
+        try:
+            newest = await migrations.migrate(conn)
+            await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", newest + 1)
+            with pytest.raises(migrations.SchemaTooNew, match=f"version {newest + 1}, newer"):
+                await migrations.migrate(conn)
+        finally:
+            await conn.close()
+
+    asyncio.run(scenario())

@@ -250,6 +250,10 @@ MIGRATIONS: list[tuple[int, str]] = [
 _LOCK_ID = 0x726F6C6C746170  # "rolltap"
 
 
+class SchemaTooNew(Exception):
+    """The database was migrated by a newer rolltap."""
+
+
 async def migrate(conn: asyncpg.Connection) -> int:
     """Bring the schema to the newest version; returns that version."""
     await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_ID)
@@ -259,12 +263,21 @@ async def migrate(conn: asyncpg.Connection) -> int:
             " version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
         )
         done = {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+        newest = MIGRATIONS[-1][0]
+        if done and max(done) > newest:
+            # A newer gateway moved rules into the schema's statements (migration 7: the
+            # refusal of late calls); an older one would record without them.
+            raise SchemaTooNew(
+                f"the database's schema is version {max(done)}, newer than this rolltap knows "
+                f"({newest}): upgrade rolltap on this machine to the version the other gateways "
+                "run"
+            )
         for version, sql in MIGRATIONS:
             if version in done:
                 continue
             async with conn.transaction():
                 await conn.execute(sql)
                 await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", version)
-        return MIGRATIONS[-1][0]
+        return newest
     finally:
         await conn.execute("SELECT pg_advisory_unlock($1)", _LOCK_ID)
