@@ -165,11 +165,15 @@ class Continuer:
         if parent_full is None or not parent_full.size:
             return plain("fallback", cont.PARENT_TOKENS)
         started = time.perf_counter()
+        around = self._renderer.around(upstream, body, keys.positions[i] + 1, keys.messages_json)
+        suffix = self._suffixes.get((upstream, keys.context))
         try:
-            suffix, around = await asyncio.gather(
-                self._suffix(upstream, body, keys.context),
-                self._renderer.around(upstream, body, keys.positions[i] + 1, keys.messages_json),
-            )
+            if suffix is None:  # probed once per context, beside this call's renders
+                suffix, around = await asyncio.gather(
+                    self._suffix(upstream, body, keys.context), around
+                )
+            else:  # at hand: a gather would cost two tasks, tens of µs a call
+                around = await around
         except RenderError as exc:
             log.warning("continuation render failed, rendering plainly: %s", exc)
             return plain("fallback", cont.RENDER_FAILED)

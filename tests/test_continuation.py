@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import threading
@@ -19,8 +20,10 @@ from gateway.render import (
     Around,
     CheckedRenderer,
     LocalTemplate,
+    RenderError,
     opening_messages,
     render_body,
+    side_by_side,
     split_around,
     split_spans,
 )
@@ -482,3 +485,28 @@ async def test_local_renders_run_off_the_event_loop():
     assert [a.by for a in answers] == ["engine", "local", "local"]
     assert local.threads and all(t.startswith("rolltap-render") for t in local.threads)
     assert threading.current_thread().name not in local.threads
+
+
+def test_side_by_side_answers_both_in_order_and_a_failure_cancels_the_other():
+    async def go():
+        assert await side_by_side(asyncio.sleep(0.01, "turn"), asyncio.sleep(0, "full")) == (
+            "turn", "full")
+        started, ended = asyncio.Event(), []
+
+        async def slow():
+            started.set()
+            try:
+                await asyncio.sleep(30)
+            finally:
+                ended.append("cancelled")
+
+        async def fails():
+            await started.wait()
+            raise RenderError("the engine said no")
+
+        with pytest.raises(RenderError):
+            await side_by_side(slow(), fails())
+        await asyncio.sleep(0)
+        assert ended == ["cancelled"]
+
+    asyncio.run(go())
