@@ -60,9 +60,11 @@ class GatewayConfig:
     access_log: bool = True  # one log line per HTTP call
     tokenizer: Path | None = None  # model dir whose tokenizer.json the viewer decodes with
     # A database that is down or frozen fails calls within about these bounds (503), instead of
-    # holding them; the gateway recovers on its own when it answers again.
-    db_acquire_timeout_s: float = 2.0
-    db_command_timeout_s: float = 2.0
+    # holding them; the gateway recovers on its own when it answers again. Not shorter: a
+    # commit fails calls whose tokens are already generated, and a busy server's commits took
+    # over 2 s in the gateway bench at c=64 (load average 16 on 2 cores).
+    db_acquire_timeout_s: float = 5.0
+    db_command_timeout_s: float = 10.0
     # Call records waiting for their commit; past it new calls get 503 (529 on the Anthropic
     # API) with Retry-After rather than queueing without bound.
     max_pending_records: int = 4096
@@ -193,9 +195,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             off=True)
     _switch(parser, "--no-access-log", "ACCESS_LOG", "do not log one line per HTTP call "
             "(method, route, status, latency, rollout, request id)", off=True)
-    option("--db-acquire-timeout", float, 2.0, "longest wait for a database connection (also "
+    option("--db-acquire-timeout", float, 5.0, "longest wait for a database connection (also "
            "connecting) before a call fails with 503", "SECONDS")
-    option("--db-command-timeout", float, 2.0, "longest a database statement (a commit of call "
+    option("--db-command-timeout", float, 10.0, "longest a database statement (a commit of call "
            "records included) may take before the calls waiting on it fail with 503", "SECONDS")
     option("--max-pending-records", int, 4096, "call records that may wait for their commit; "
            "beyond that new calls are turned away with 503/529 and Retry-After", "N")
