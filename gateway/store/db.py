@@ -46,6 +46,14 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 )
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """What a released connection needs beyond asyncpg's own clean-up (which rolls back a
+    transaction left open and drops listener callbacks): nothing. asyncpg's default also sends
+    a reset query (advisory locks, cursors, LISTEN, settings), a round trip on every release, so
+    on every use of the pool; nothing here leaves that state behind (the migration lock is
+    released explicitly, the policy listener unlistens before it gives its connection back)."""
+
+
 class _Pool(asyncpg.Pool):
     """A pool whose `acquire()` (and so the matching release) waits at most `acquire_timeout`
     unless told otherwise: a database that is down or frozen fails a call fast, not never."""
@@ -73,6 +81,7 @@ async def open_pool(
         max_queries=50000,
         max_inactive_connection_lifetime=300.0,
         init=_init_connection,
+        reset=_keep_session,
         loop=None,
         connection_class=asyncpg.Connection,
         record_class=asyncpg.Record,
