@@ -258,6 +258,8 @@ async def _forward(request, proto, ctx, call: _Call, body: dict) -> web.StreamRe
             try:
                 resp = await upstreams.post(upstream, proto.UPSTREAM_PATH, encoded)
             except GatewayError as err:
+                if attempt == 0 and _stale_connection(err.__cause__):
+                    continue  # once more, on a new connection
                 upstreams.failed(upstream, err.message)
                 if attempt == 0 and isinstance(err.__cause__, aiohttp.ClientConnectorError):
                     # Nothing reached the engine, so another replica can take the call as is.
@@ -290,6 +292,16 @@ async def _forward(request, proto, ctx, call: _Call, body: dict) -> web.StreamRe
         finally:
             upstreams.end(upstream, on_eject)
     raise AssertionError("unreachable")
+
+
+def _stale_connection(exc: BaseException | None) -> bool:
+    """The request met a kept-alive connection the engine had just closed (it was reset while
+    the request was written, or closed before any answer): a race with the engine's idle
+    timeout, not a failing replica. Whatever the engine might have started on it was aborted
+    when the connection went, and nothing of it reached the call: asking again is safe."""
+    return isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError) and not (
+        isinstance(exc, aiohttp.ClientConnectorError)
+    )
 
 
 async def _whole(request, proto, ctx, call: _Call, resp, version_at_start: int) -> web.Response:

@@ -93,7 +93,9 @@ class Upstreams:
     async def open(self) -> None:
         # One pool for all requests; no per-host cap: concurrency is bounded by the harnesses.
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+            # An idle connection is given up before the engine's own idle timeout (vLLM's
+            # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) could close it under a request being sent.
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
             timeout=self._timeout,
             auto_decompress=True,
         )
