@@ -396,7 +396,10 @@ def test_a_bridge_killed_at_every_seam_trains_every_rollout_exactly_once(
         assert sorted(d["idx"] for d in rows) == list(range(traces))
         assert {d["outcome"] for d in rows} == {"trained"} and state[rollout_id][0]
     owners = Counter(d["owner"] for d in delivered if d["rollout_id"] in initial)
-    assert len(owners) >= 3  # the work was split across crashed bridges and the last one
+    # The work was split: a crashed bridge trained some of it and the last one the rest. How
+    # it splits follows the machine's load (a full-suite run on a busy machine saw one
+    # crashed bridge train 37 of the 44 and the last one 7), so only the split is required.
+    assert len(owners) >= 2, owners
     counts = [n for _, n in trained_per_run]
     assert counts == sorted(counts) and counts[-1] > 0
     print(f"\ntrained in the delivery log after each crash: {trained_per_run}; "
