@@ -70,6 +70,21 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
+async def _spawn(argv: Sequence[str], **kwargs) -> asyncio.subprocess.Process:
+    """`asyncio.create_subprocess_exec`, safe to cancel. The command runs as soon as the call
+    forks, before its pipes are connected; cancelled in between, asyncio kills only the direct
+    child and then waits for the pipes to close, which the command's own children hold open: the
+    cancellation would wait for them to end on their own. So the start is shielded, and a
+    cancelled one is stopped here like any other run."""
+    spawning = asyncio.ensure_future(asyncio.create_subprocess_exec(*argv, **kwargs))
+    try:
+        return await asyncio.shield(spawning)
+    except asyncio.CancelledError:
+        proc = await spawning
+        await asyncio.shield(_stop(proc))
+        raise
+
+
 async def run_contained(
     argv: Sequence[str],
     *,
@@ -99,8 +114,8 @@ async def run_contained(
     started = time.monotonic()
     timed_out = False
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *command,
+        proc = await _spawn(
+            command,
             cwd=cwd,
             env=dict(env),
             stdin=asyncio.subprocess.DEVNULL,

@@ -8,7 +8,9 @@ import json
 import os
 import shlex
 import signal
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 import msgspec
@@ -19,6 +21,7 @@ from sandbox.backends.local import LocalBackend
 from sandbox.cgroup import parents
 from sandbox.limits import Limits
 from sandbox.presets import Harness
+from sandbox.process import run_contained
 from sandbox.tasks import Task, Timeouts, Verifier
 from tests.support.tasks import FIZZBUZZ_HIDDEN_TESTS
 
@@ -324,6 +327,30 @@ async def test_cancellation_kills_the_agent(agents):
     run.cancel()
     with pytest.raises(asyncio.CancelledError):
         await run
+    assert alive_with(marker) == []
+
+
+async def test_cancellation_as_the_command_starts_kills_it_and_its_children(tmp_path):
+    # Cancelled just after the command started, before its output pipes are connected (the
+    # event loop is kept busy meanwhile, as a runner busy with other sandboxes may be), while
+    # the command's children hold those pipes.
+    marker = f"rolltap-start-marker-{os.getpid()}"
+    child = f"{shlex.quote(sys.executable)} -c 'import time; time.sleep(600)' \"$MARK\""
+    run = asyncio.ensure_future(run_contained(
+        ["/bin/sh", "-c", f"{child} & {child} & wait"], cwd=str(tmp_path),
+        env={"PATH": "/usr/bin:/bin", "MARK": marker}, limits=Limits(), timeout_s=600))
+    try:
+        for _ in range(2):  # the run starts the command: it forks, then waits for its pipes
+            await asyncio.sleep(0)
+        for _ in range(1000):  # blocking: the loop gets no turn to connect them
+            if len(alive_with(marker)) >= 2:
+                break
+            time.sleep(0.01)
+        assert len(alive_with(marker)) == 2, "the command never started"
+    finally:
+        run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(run, 60)
     assert alive_with(marker) == []
 
 
