@@ -29,9 +29,14 @@ class DroppingRelay:
         threading.Thread(target=self._serve, args=(started,), daemon=True).start()
         assert started.wait(10)
 
-    async def _pipe(self, reader, writer) -> None:
+    async def _pipe(self, reader, writer, requests: bool = False) -> None:
+        """Copies until EOF; on the `requests` side, a model request to drop ends both ways."""
         try:
             while data := await reader.read(65536):
+                if requests and self.drop and data.startswith(b"POST /v1/"):
+                    self.drop -= 1
+                    self.dropped += 1
+                    return  # closed with the head read, as an engine's idle timeout would
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
@@ -43,18 +48,9 @@ class DroppingRelay:
         engine_reader, engine_writer = await asyncio.open_connection("127.0.0.1", self._target)
         answers = asyncio.ensure_future(self._pipe(engine_reader, writer))
         try:
-            while data := await reader.read(65536):
-                if self.drop and data.startswith(b"POST /v1/"):
-                    self.drop -= 1
-                    self.dropped += 1
-                    return  # closed with the head read, as an engine's idle timeout would
-                engine_writer.write(data)
-                await engine_writer.drain()
-        except (ConnectionError, OSError):
-            pass
+            await self._pipe(reader, engine_writer, requests=True)
         finally:
             answers.cancel()
-            engine_writer.close()
             writer.close()
 
     def _serve(self, started: threading.Event) -> None:
