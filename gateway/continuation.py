@@ -54,6 +54,7 @@ FIRST_TURN = "first turn"  # no assistant message to continue from
 NO_PARENT = "no parent"  # assistant turns, but none is the reply of a recorded call
 CONFIGURED = "render configured"  # --continuation render
 MEDIA = "media content"  # the engine renders non-text content itself
+ECHO = "echo requested"  # vLLM renders the messages to echo them
 PARENT_TOKENS = "parent tokens unavailable"
 RENDER_FAILED = "render failed"
 TEMPLATE_PROBE = "template turn end unknown"

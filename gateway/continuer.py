@@ -22,7 +22,8 @@ import numpy as np
 from gateway import continuation as cont
 from gateway import engine_ids
 from gateway.continuation import ContinuationRecord, RequestKeys
-from gateway.render import CheckedRenderer, EngineRenderer, RenderError, render_body
+from gateway.render import RenderError, render_body
+from gateway.render_window import WindowedRenderer
 from gateway.store import calls as calls_store
 from gateway.store.tokens import RecentCalls
 
@@ -66,6 +67,15 @@ class Turn:
         ):
             self.record = msgspec.structs.replace(self.record, path="fallback", reason=cont.IGNORED)
             self.prompt_ids = self.parent_full = None
+
+    def engine_messages(self, messages: list) -> list | msgspec.Raw:
+        """The `messages` the engine is sent. Given the prompt ids (an exact continuation) it
+        neither templates nor tokenizes them, so only the continued reply and what follows it
+        go: the rest would be sent, parsed and validated for nothing (at 32k tokens, 130 kB a
+        call). Otherwise all of them, as encoded for the keys."""
+        if self.prompt_ids is not None:
+            return messages[self.record.messages - 1 :]
+        return msgspec.Raw(self.keys.messages_json)
 
     def candidates(self, recent: list[tuple[UUID, np.ndarray]]) -> list[tuple[UUID, np.ndarray]]:
         """Delta-encoding candidates with the parent added: it is the best base of an exact
@@ -128,7 +138,7 @@ class Continuer:
         mode: str,
         pool: asyncpg.Pool,
         recent: RecentCalls,
-        renderer: EngineRenderer | CheckedRenderer,
+        renderer: WindowedRenderer,
     ) -> None:
         self.mode = mode
         self._pool = pool
@@ -161,6 +171,8 @@ class Continuer:
             return plain("render", cont.CONFIGURED)
         if keys.media:
             return plain("fallback", cont.MEDIA)
+        if body.get("echo"):
+            return plain("fallback", cont.ECHO)
         parent_full, parent_json = await self._parent_ids(rollout_id, parent_id)
         if parent_full is None or not parent_full.size:
             return plain("fallback", cont.PARENT_TOKENS)

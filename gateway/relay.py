@@ -4,7 +4,6 @@ replica, stream back while capturing, commit the record, then end the response."
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 import uuid
@@ -22,8 +21,8 @@ from gateway.continuer import Turn
 from gateway.protocols.errors import GatewayError
 from gateway.protocols.normalize import normalize_messages
 from gateway.services import Services
+from gateway.store import bodies, values
 from gateway.store import calls as calls_store
-from gateway.store import values
 from gateway.upstream import StreamStalled, sse_batches
 
 log = logging.getLogger(__name__)
@@ -134,7 +133,7 @@ class _Call:
         self.constraints: list[str] = []
         # A retry of an earlier call (same body, or the SDK's retry header) makes the merge
         # mark the earlier attempt abandoned.
-        self.digest = hashlib.blake2b(raw, digest_size=16).digest()
+        self.digest = bodies.digest(raw)
         self.retry_count = 0
         self.turn: Turn | None = None  # the continuation step (chat-completions upstreams)
         self.sent_prompt: bytes | None = None  # the turn's prompt ids as sent, JSON-encoded
@@ -244,8 +243,8 @@ async def relay(
 async def _forward(request, proto, ctx, call: _Call, body: dict) -> web.StreamResponse:
     svc = call.svc
     upstreams = svc.upstreams
-    if call.turn is not None and "messages" in body:  # encoded for its keys: sent as that text
-        body = {**body, "messages": msgspec.Raw(call.turn.keys.messages_json)}
+    if call.turn is not None and "messages" in body:
+        body = {**body, "messages": call.turn.engine_messages(body["messages"])}
     encoded = _encode(body)
     streamed = bool(body.get("stream"))
     # A frozen engine never answers a whole-response call; ejecting its replica ends it.

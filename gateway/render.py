@@ -14,11 +14,12 @@ sample of later requests too, and stops using it for a context on any mismatch.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
 import unicodedata
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -567,20 +568,82 @@ _PROBES = (
 )
 
 
+class Crosscheck:
+    """Where a cheaper render (`what`) may stand in for the reference one (`reference`).
+
+    Per key (an upstream and request context, and whatever else the cheaper render depends on):
+    unknown until a request there is rendered both ways, then trusted while the two agree. One
+    in `sample_every` later uses is checked again in the background; one disagreement ends the
+    cheaper render's use for that key."""
+
+    def __init__(self, what: str, reference: str, sample_every: int = 32) -> None:
+        self._what = what
+        self._reference = reference
+        self._sample_every = sample_every
+        self._keys: dict[Hashable, bool] = {}
+        self._checks: set[asyncio.Task] = set()
+        self.stats = {"used": 0, "checked": 0, "mismatches": 0}
+
+    def trusted(self, key: Hashable) -> bool | None:
+        return self._keys.get(key)
+
+    def judge(self, key: Hashable, cheap: Around | None, reference: Around | None) -> None:
+        same = (reference is None and cheap is None) or (
+            reference is not None and cheap is not None and reference.same_ids(cheap)
+        )
+        self.stats["checked"] += 1
+        if same:
+            if key not in self._keys:
+                log.info("%s agrees with %s at %s; used there", self._what, self._reference,
+                         _describe(key))
+            self._keys[key] = True
+        else:
+            self.distrust(key, f"it differs from {self._reference}")
+
+    def distrust(self, key: Hashable, why: str) -> None:
+        self.stats["mismatches"] += 1
+        self._keys[key] = False
+        log.warning("%s not used at %s again: %s", self._what, _describe(key), why)
+
+    def used(
+        self,
+        key: Hashable,
+        cheap: Around | None,
+        reference: Callable[[], Awaitable[Around | None]],
+    ) -> None:
+        """Counts a use of the cheaper render; every `sample_every`-th is checked against
+        `reference()` in the background (the call does not wait for it)."""
+        self.stats["used"] += 1
+        if self.stats["used"] % self._sample_every:
+            return
+        task = asyncio.create_task(self._sample(key, cheap, reference))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _sample(self, key, cheap, reference) -> None:
+        try:
+            expected = await reference()
+        except RenderError:
+            return  # nothing learnt; a later sample checks again
+        self.judge(key, cheap, expected)
+
+
+def _describe(key: Hashable) -> str:
+    parts = key if isinstance(key, tuple) else (key,)
+    return " ".join(p.hex()[:12] if isinstance(p, bytes) else str(p) for p in parts)
+
+
 class CheckedRenderer:
     """Local rendering where it has reproduced the engine, the engine everywhere else."""
 
     def __init__(self, engine: EngineRenderer, local: LocalTemplate, sample_every: int = 32):
         self._engine = engine
         self._local = local
-        self._sample_every = sample_every
+        self._check = Crosscheck("local rendering", "the engine's", sample_every)
+        self.stats = self._check.stats
         # (upstream, model) -> content format that reproduced the engine, or None
         self._models: dict[tuple[str, str], str | None] = {}
         self._model_locks: dict[tuple[str, str], asyncio.Lock] = {}
-        # (upstream, context key) -> whether local rendering agreed with the engine there
-        self._contexts: dict[tuple[str, bytes], bool] = {}
-        self._checks: set[asyncio.Task] = set()
-        self.stats = {"local": 0, "engine": 0, "checked": 0, "mismatches": 0}
         # Rendering a long conversation with Jinja and tokenizing it takes milliseconds of CPU:
         # done on a thread of its own, the event loop goes on serving streams meanwhile. One
         # thread: the renders hold the GIL, more would only contend for it.
@@ -630,9 +693,11 @@ class CheckedRenderer:
             fmt = await self.self_check(upstream, body.get("model"))
         except RenderError:
             fmt = None
-        trusted = self._contexts.get((upstream, context))
+        key = (upstream, context)
+        trusted = self._check.trusted(key)
+        engine = functools.partial(self._engine.around, upstream, body, upto, messages_json)
         if fmt is None or trusted is False:
-            return await self._engine_around(upstream, body, upto, messages_json)
+            return await engine()
         try:
             local = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self._local.around, body, upto, fmt
@@ -641,37 +706,10 @@ class CheckedRenderer:
             log.exception("local rendering failed; asking the engine")
             local = False
         if local is False:
-            return await self._engine_around(upstream, body, upto, messages_json)
+            return await engine()
         if trusted is None:  # a new context: the engine answers, and says whether to trust us
-            engine = await self._engine_around(upstream, body, upto, messages_json)
-            self._judge(upstream, context, local, engine)
-            return engine
-        self.stats["local"] += 1
-        if self.stats["local"] % self._sample_every == 0:
-            task = asyncio.create_task(self._sample(upstream, body, upto, context, local))
-            self._checks.add(task)
-            task.add_done_callback(self._checks.discard)
+            reference = await engine()
+            self._check.judge(key, local, reference)
+            return reference
+        self._check.used(key, local, engine)
         return local
-
-    async def _engine_around(
-        self, upstream: str, body: dict, upto: int, messages_json: bytes | None
-    ) -> Around | None:
-        self.stats["engine"] += 1
-        return await self._engine.around(upstream, body, upto, messages_json)
-
-    async def _sample(self, upstream, body, upto, context, local: Around | None) -> None:
-        try:
-            engine = await self._engine.around(upstream, body, upto)
-        except RenderError:
-            return  # nothing learnt; a later sample checks again
-        self._judge(upstream, context, local, engine)
-
-    def _judge(self, upstream, context, local: Around | None, engine: Around | None) -> None:
-        same = (engine is None and local is None) or (
-            engine is not None and local is not None and engine.same_ids(local)
-        )
-        self.stats["checked"] += 1
-        if not same:
-            self.stats["mismatches"] += 1
-            log.warning("local rendering differs from the engine; not used for this context again")
-        self._contexts[(upstream, context)] = same

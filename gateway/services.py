@@ -22,6 +22,7 @@ from gateway.render import (
     RenderError,
     Unsupported,
 )
+from gateway.render_window import WindowedRenderer
 from gateway.store.tokens import RecentCalls
 from gateway.upstream import Upstreams
 
@@ -59,7 +60,9 @@ class Services:
         self.keys = RolloutKeys(pool)
         self.recent = RecentCalls(config.recent_calls_mib << 20)
         self.renderer = _renderer(config, self.upstreams)
-        self.continuer = Continuer(config.continuation, pool, self.recent, self.renderer)
+        self.continuer = Continuer(
+            config.continuation, pool, self.recent, WindowedRenderer(self.renderer)
+        )
         self.recording = Recording(
             pool, self.recorder, self.recent, self.continuer, config.record_bodies
         )

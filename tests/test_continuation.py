@@ -27,6 +27,7 @@ from gateway.render import (
     split_around,
     split_spans,
 )
+from gateway.render_window import WINDOWS, window
 
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
 
@@ -510,3 +511,35 @@ def test_side_by_side_answers_both_in_order_and_a_failure_cancels_the_other():
         assert ended == ["cancelled"]
 
     asyncio.run(go())
+
+
+roles = st.sampled_from(["system", "developer", "user", "assistant", "tool"])
+
+
+@given(st.lists(roles, min_size=1, max_size=30), st.data())
+def test_a_window_keeps_the_reply_what_follows_and_for_frame_the_frame(role_list, data):
+    messages = [{"role": r, "content": str(i)} for i, r in enumerate(role_list)]
+    upto = data.draw(st.integers(1, len(messages)))
+    for kind in WINDOWS:
+        kept = window(messages, upto, kind)
+        if kept is None:
+            continue
+        frame = kind == "frame"
+        head = 0
+        while frame and head < len(role_list) and role_list[head] in ("system", "developer"):
+            head += 1
+        tail = set(range(max(upto - 1, head), len(messages)))  # the reply and what follows it
+        assert kept == sorted(set(kept)) and len(kept) + 1 < len(messages)
+        assert tail | set(range(head)) <= set(kept)  # for frame, the system messages too
+        users = [i for i in range(head, upto - 1) if role_list[i] == "user"]
+        # Of what lies between, only the last user message before the reply, for frame.
+        between = set(kept) - set(range(head)) - tail
+        assert between == (set(users[-1:]) if kind == "frame" else set())
+
+
+def test_windows_of_an_agent_conversation():
+    messages = [{"role": "system"}, {"role": "user"}]
+    messages += [{"role": "assistant"}, {"role": "tool"}] * 50 + [{"role": "user"}]
+    assert window(messages, 101, "reply") == [*range(100, 103)]
+    assert window(messages, 101, "frame") == [0, 1, *range(100, 103)]
+    assert window(messages[:4], 3, "frame") is None  # nothing worth leaving out

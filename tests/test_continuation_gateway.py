@@ -9,7 +9,6 @@ conversation drifts at nearly every turn (see the `--continuation render` test).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import shutil
 import uuid
@@ -21,6 +20,7 @@ import openai
 import pytest
 
 from gateway.render import CheckedRenderer, EngineRenderer, LocalTemplate
+from gateway.render_window import WINDOWS, WindowedRenderer
 from gateway.store import bodies
 from gateway.store import calls as calls_store
 from gateway.upstream import Upstreams
@@ -544,6 +544,90 @@ async def test_local_template_is_used_only_where_it_reproduces_the_engine(vllm_s
         await ups.close()
 
 
+def _long_conversation(rounds: int, tool: str = "run") -> tuple[dict, int]:
+    """A system prompt, a task, `rounds` tool calls with their results and one more call's
+    result: a request continuing the last call, and the index just past that call's reply."""
+    messages = [
+        {"role": "system", "content": "You are a windowed agent."},
+        {"role": "user", "content": "Build it, then test it."},
+    ]
+    for i in range(rounds + 1):
+        call = {"id": f"c{i}", "type": "function",
+                "function": {"name": tool, "arguments": json.dumps({"cmd": "make"})}}
+        messages += [
+            {"role": "assistant", "content": f"step {i}", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": f"output {i}\n" * 20},
+        ]
+    body = {"model": "tiny", "messages": messages, "tools": CHAT_TOOLS}
+    return body, len(messages) - 1
+
+
+class _SizedEngine(EngineRenderer):
+    """The real engine renderer, noting the bytes of messages each render request carries."""
+
+    def __init__(self, upstreams: Upstreams) -> None:
+        super().__init__(upstreams)
+        self.sent: list[int] = []
+
+    async def _span(self, upstream, body):
+        self.sent.append(len(bytes(body["messages"])))
+        return await super()._span(upstream, body)
+
+
+async def test_windowed_renders_give_the_whole_conversations_ids(vllm_server):
+    ups = Upstreams([vllm_server.url], 60)
+    await ups.open()
+    try:
+        engine = _SizedEngine(ups)
+        windowed = WindowedRenderer(engine, sample_every=2)
+        for rounds in (8, 12, 16):
+            body, upto = _long_conversation(rounds)
+            whole = await engine.around(vllm_server.url, body, upto)
+            engine.sent.clear()
+            answer = await windowed.around(vllm_server.url, body, upto)
+            assert answer is not None and answer.same_ids(whole) and answer.tail == whole.tail
+            if rounds == 8:  # a new context: rendered whole and windowed
+                assert max(engine.sent) == len(json.dumps(body["messages"], separators=(",", ":")))
+            else:  # then only the window: the frame, the reply and what follows it
+                assert max(engine.sent) < 1000 < len(bytes(json.dumps(body["messages"]), "utf-8"))
+        await asyncio.sleep(0.5)  # the background sample (every 2nd use) has answered
+        assert windowed.stats == {"used": 2, "checked": 2, "mismatches": 0}
+    finally:
+        await ups.close()
+
+
+class _LocalRenders:
+    """Local rendering with a template of this test's choosing, in place of the engine: a
+    template that numbers the messages renders a window differently (the fault provoked)."""
+
+    def __init__(self, local: LocalTemplate) -> None:
+        self._local = local
+
+    async def around(self, upstream, body, upto, messages_json=None):
+        return self._local.around(body, upto, "openai")
+
+
+def test_a_template_that_windows_change_is_rendered_whole(vllm_server, tmp_path):
+    numbered = _model_copy(
+        vllm_server.model_dir,
+        tmp_path / "numbered",
+        lambda t: t.replace("'\\n<tool_response>\\n'", "'\\n<tool_response>' ~ loop.index ~ '\\n'"),
+    )
+    plain = _model_copy(vllm_server.model_dir, tmp_path / "plain", lambda t: t)
+
+    async def go():
+        for local, mismatches in ((plain, 0), (numbered, len(WINDOWS))):
+            windowed = WindowedRenderer(_LocalRenders(local))
+            for rounds in (3, 4, 5):
+                body, upto = _long_conversation(rounds)
+                answer = await windowed.around("u", body, upto)
+                assert answer.same_ids(local.around(body, upto, "openai"))
+            assert windowed.stats["mismatches"] == mismatches
+            assert windowed.stats["used"] == (2 if mismatches == 0 else 0)
+
+    asyncio.run(go())
+
+
 async def _stored_bodies(dsn: str, rollout_id: str) -> list[tuple]:
     """(base call, request base, stored body, digest, body read back) of each call, in order."""
     conn = await asyncpg.connect(dsn)
@@ -570,7 +654,7 @@ def test_request_bodies_are_deltas_read_back_exactly(gateway, vllm_server, datab
     assert stored[0][1] is None  # the first body is whole
     for *_, digest, raw in stored:
         # The very bytes the SDK sent: their digest is the one taken on arrival.
-        assert hashlib.blake2b(raw, digest_size=16).digest() == digest
+        assert bodies.digest(raw) == digest
     for base_id, request_base, body, _digest, raw in stored[1:]:
         # A delta against the previous turn's body, much smaller than the body compressed.
         assert request_base == base_id
@@ -604,4 +688,4 @@ def test_without_recent_calls_in_memory_calls_continue_exactly(
         _stored_bodies(own_database, rollout["rollout_id"])
     ):
         assert request_base is None
-        assert hashlib.blake2b(raw, digest_size=16).digest() == digest
+        assert bodies.digest(raw) == digest

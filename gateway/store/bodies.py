@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 from uuid import UUID
 
+import xxhash
 import zstandard
 
 from gateway.store.tokens import parents_first
@@ -50,6 +51,14 @@ def _plain() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
         pair = (zstandard.ZstdCompressor(level=LEVEL), zstandard.ZstdDecompressor())
         _contexts.pair = pair
     return pair
+
+
+def digest(body: bytes) -> bytes:
+    """A body's `body_digest`. Retries are told by it (the merge marks the earlier attempt of a
+    retried call abandoned), so it needs no resistance to forgery: a body made to collide could
+    only mark an earlier call of its own rollout abandoned, as sending that body again does.
+    xxh3 takes 2 µs for a 32k-token body, blake2b took 200."""
+    return xxhash.xxh3_128_digest(body)
 
 
 def whole(body: bytes) -> bytes:
