@@ -11,8 +11,9 @@ Measured per mode, from the calls' records: the fraction of turns whose engine p
 with the previous turn's prompt + sampled ids (what the merge needs to extend a sequence), the
 merged sequences per conversation, and `render_ms` (the time the gateway spent rendering for the
 splice: the added latency of a continued request). Then, in this process, engine against local
-rendering of one continuation on conversations of growing length, and the cost of computing a
-request's continuation keys.
+rendering of one continuation on conversations of growing length, whole and in the window a
+gateway renders (gateway/render_window.py), and the cost of computing a request's continuation
+keys.
 
     python -m bench.bench_continuation     # this section alone; `python -m bench` runs all
 
@@ -38,7 +39,8 @@ import openai
 
 from bench.bench_gateway import POSTGRES_URL, admin_sql, free_port
 from gateway.continuation import RequestKeys
-from gateway.render import EngineRenderer, LocalTemplate
+from gateway.render import CheckedRenderer, EngineRenderer, LocalTemplate
+from gateway.render_window import WindowedRenderer
 from gateway.upstream import Upstreams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,12 +172,17 @@ def _mode_numbers(results: list[tuple[list[dict], dict]]) -> dict:
 
 
 async def _render_costs(upstream: str, model_dir: Path) -> list[dict]:
-    """Engine against local rendering of one continuation, and the continuation keys, on
-    conversations of growing length (a long system prompt, as harnesses send)."""
+    """One continuation rendered whole and in a window (gateway/render_window.py), by the engine
+    and locally, and the continuation keys, on conversations of growing length (a long system
+    prompt, as harnesses send). The windows are timed once trusted, as a gateway uses them."""
     ups = Upstreams([upstream], 60)
     await ups.open()
     engine = EngineRenderer(ups)
     local = LocalTemplate.from_model_dir(model_dir)
+    windowed = {
+        "engine": WindowedRenderer(engine),
+        "local": WindowedRenderer(CheckedRenderer(engine, local)),
+    }
     system = {"role": "system", "content": "You are a coding agent. " * 400}
     rows = []
     try:
@@ -190,27 +197,35 @@ async def _render_costs(upstream: str, model_dir: Path) -> list[dict]:
                 ]
             body = {"model": MODEL, "messages": messages, "tools": TOOLS}
             upto = len(messages) - 1
-            e_ms, l_ms, k_ms = [], [], []
+            for w in windowed.values():  # learns the context: a whole render and the windows
+                await w.around(upstream, body, upto)
+            ms: dict[str, list[float]] = {k: [] for k in ("engine", "window", "local", "wlocal")}
+            ms["keys"] = []
+            answers = {}
             for _ in range(15):
+                for name, renderer in (
+                    ("engine", engine),
+                    ("window", windowed["engine"]),
+                    ("wlocal", windowed["local"]),
+                ):
+                    t0 = time.perf_counter()
+                    answers[name] = await renderer.around(upstream, body, upto)
+                    ms[name].append((time.perf_counter() - t0) * 1e3)
                 t0 = time.perf_counter()
-                e = await engine.around(upstream, body, upto)
+                answers["local"] = local.around(body, upto, "openai")
                 t1 = time.perf_counter()
-                loc = local.around(body, upto, "openai")
-                t2 = time.perf_counter()
                 RequestKeys(body)
-                t3 = time.perf_counter()
-                e_ms.append((t1 - t0) * 1e3)
-                l_ms.append((t2 - t1) * 1e3)
-                k_ms.append((t3 - t2) * 1e3)
+                ms["local"].append((t1 - t0) * 1e3)
+                ms["keys"].append((time.perf_counter() - t1) * 1e3)
             full = await engine.render(upstream, body)
             rows.append(
                 {
                     "messages": len(messages),
                     "prompt_tokens": len(full),
-                    "engine_ms_p50": float(np.median(e_ms)),
-                    "local_ms_p50": float(np.median(l_ms)),
-                    "keys_ms_p50": float(np.median(k_ms)),
-                    "same_ids": e is not None and loc is not None and e.same_ids(loc),
+                    **{f"{k}_ms_p50": float(np.median(v)) for k, v in ms.items()},
+                    "same_ids": all(
+                        a is not None and a.same_ids(answers["engine"]) for a in answers.values()
+                    ),
                 }
             )
     finally:
@@ -277,14 +292,19 @@ def run(print_fn=print) -> dict:
             f"{json.dumps(m['rendered_by'])}"
         )
     lines.append("")
-    lines.append("one continuation rendered in-process (p50 of 15; keys: the request's hashes)")
     lines.append(
-        f"{'messages':>9}{'tokens':>8}{'engine ms':>11}{'local ms':>10}{'keys ms':>9}  same ids"
+        "one continuation rendered in-process, whole and windowed (p50 of 15; keys: the "
+        "request's hashes)"
+    )
+    lines.append(
+        f"{'messages':>9}{'tokens':>8}{'engine ms':>11}{'windowed':>10}{'local ms':>10}"
+        f"{'windowed':>10}{'keys ms':>9}  same ids"
     )
     for c in costs:
         lines.append(
             f"{c['messages']:>9}{c['prompt_tokens']:>8}{c['engine_ms_p50']:>11.2f}"
-            f"{c['local_ms_p50']:>10.2f}{c['keys_ms_p50']:>9.3f}  {c['same_ids']}"
+            f"{c['window_ms_p50']:>10.2f}{c['local_ms_p50']:>10.2f}{c['wlocal_ms_p50']:>10.2f}"
+            f"{c['keys_ms_p50']:>9.3f}  {c['same_ids']}"
         )
     print_fn("\n".join(lines))
     print_fn(f"load average at the end: {os.getloadavg()[0]:.1f}")

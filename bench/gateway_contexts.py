@@ -249,6 +249,7 @@ def format_table(results: dict) -> str:
         for key, _, _, goal in COLUMNS
     )
     lines.append(f"{'goal':<9}{'(issue #14)':<22}" + goals)
+    lines.append(growth_line(results))
     lines.append(
         f"prompt tokens as shown, {COMPLETION_TOKENS} sampled; `!` marks a missed goal. CPU is\n"
         "the proxy process's per call: a rollout's first call (1st: the whole context is new)\n"
@@ -260,6 +261,25 @@ def format_table(results: dict) -> str:
         "reached directly."
     )
     return "\n".join(lines)
+
+
+GOAL_GROWTH = 1.5  # a later call's CPU at the longest context over the shortest's
+
+
+def growth_line(results: dict) -> str:
+    """How a later call's gateway CPU grows with the context, against the goal."""
+    short, long = min(results), max(results)
+    cells = []
+    for key, name in (("cpu_c1", "c=1"), ("cpu_c64", "c=64")):
+        ratio = (
+            row(results[long]["gateway"], results[long]["direct"])[key]
+            / row(results[short]["gateway"], results[short]["direct"])[key]
+        )
+        cells.append(f"{name} {ratio:.2f}×{'' if ratio <= GOAL_GROWTH else ' !'}")
+    return (
+        f"later-call CPU at {long} tokens over {short}: {', '.join(cells)}   "
+        f"(goal ≤ {GOAL_GROWTH:g}×)"
+    )
 
 
 def _best_us(calls: list, rounds: int = 15, inner: int = 10) -> list[float]:

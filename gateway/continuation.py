@@ -276,11 +276,12 @@ def splice(
     if len(turn_end) < n or tuple(turn_end[-n:]) != tuple(suffix):
         return None, TURN_END
     glue = suffix[1:] if parent_full.size and parent_full[-1] == suffix[0] else suffix
+    # int32, as the capture keeps prompt ids: a wider array would be copied again there.
     ids = np.concatenate(
         (
-            parent_full.astype(np.int64, copy=False),
-            np.asarray(glue, dtype=np.int64),
-            np.asarray(tail, dtype=np.int64),
+            parent_full.astype(np.int32, copy=False),
+            np.asarray(glue, dtype=np.int32),
+            np.asarray(tail, dtype=np.int32),
         )
     )
     return ids, None

@@ -19,6 +19,7 @@ from gateway.continuation import RequestKeys, assistant_suffix, counts, splice
 from gateway.render import (
     Around,
     CheckedRenderer,
+    Crosscheck,
     LocalTemplate,
     RenderError,
     opening_messages,
@@ -543,3 +544,44 @@ def test_windows_of_an_agent_conversation():
     assert window(messages, 101, "reply") == [*range(100, 103)]
     assert window(messages, 101, "frame") == [0, 1, *range(100, 103)]
     assert window(messages[:4], 3, "frame") is None  # nothing worth leaving out
+
+
+async def test_a_crosscheck_learns_per_key_rechecks_samples_and_forgets_the_oldest():
+    check = Crosscheck("cheap rendering", "the reference", sample_every=2, keys=2)
+    same, other = Around((1,), [2], "cheap"), Around((1,), [3], "reference")
+    check.judge("a", same, same)
+    check.judge("b", same, other)
+    assert (check.trusted("a"), check.trusted("b")) == (True, False)
+    check.judge("c", same, same)  # one key too many: "a", the least recently used, goes
+    assert (check.trusted("a"), check.trusted("b"), check.trusted("c")) == (None, False, True)
+
+    async def reference():
+        return other
+
+    check.used("c", same, reference)  # not sampled
+    await asyncio.sleep(0.01)
+    assert check.trusted("c") is True
+    check.used("c", same, reference)  # the second use is checked again, and disagrees
+    await asyncio.sleep(0.01)
+    assert check.trusted("c") is False
+    assert check.stats == {"used": 2, "checked": 4, "mismatches": 2}
+
+
+async def test_a_crosscheck_checks_less_often_while_it_agrees_down_to_a_floor():
+    check = Crosscheck("cheap rendering", "the reference", sample_every=1)
+    same = Around((1,), [2], "cheap")
+
+    async def reference():
+        return same
+
+    check.judge("a", same, same)
+    sampled = []
+    for use in range(1, 32):
+        before = check.stats["checked"]
+        check.used("a", same, reference)
+        await asyncio.sleep(0)  # the sample, if any, answers at once
+        await asyncio.sleep(0)
+        if check.stats["checked"] > before:
+            sampled.append(use)
+    # The gaps double while the checks agree, up to 8 uses (8 * sample_every).
+    assert sampled == [1, 2, 4, 8, 16, 24]

@@ -90,19 +90,20 @@ def test_killed_replica_fails_its_streams_moves_its_rollouts_and_comes_back(
             s.join(300)
 
         # Judged by where each stream really ran: under load a probe can eject a replica and
-        # move a rollout before its stream opens.
+        # move a rollout before its stream opens, either way (a short stream moved to the
+        # victim may end before the kill).
         killed = []
         for r in rollouts:
             s = streams[r["rollout_id"]]
             last = gw.calls(r["rollout_id"])[-1]
-            if last["upstream"] == victim:
+            if last["upstream"] == victim and not (s.done and s.error is None):
                 # Open at the kill: the harness gets a protocol error event, the call is failed.
                 killed.append(r)
                 assert s.error is not None and not s.done, (s.error, s.done)
                 assert last["status"] == "failed" and last["error"]
-            else:
+            else:  # ended whole: the engine said how (a cut stream has no finish reason)
                 assert s.done and s.error is None, (s.error, s.exception, last)
-                assert last["status"] == "ok"
+                assert last["status"] == "ok" and last["finish_reason"] in ("length", "stop")
         assert killed, "no stream was open on the killed replica"
 
         # The dead replica's rollouts go on at once on the live one, recorded as rerouted.
