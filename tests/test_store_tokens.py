@@ -1,13 +1,23 @@
-"""gateway.store.tokens: the order stored chains are resolved in, and the recent-calls index,
-bounded by bytes and exact in what it keeps."""
+"""gateway.store.tokens: the order stored chains are resolved in, one call's ids rebuilt from
+its chain, and the recent-calls index, bounded by bytes and exact in what it keeps."""
 
 from __future__ import annotations
 
+import uuid
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.store.tokens import RecentCall, RecentCalls, parents_first
+from gateway.store.tokens import (
+    RecentCall,
+    RecentCalls,
+    StoredTokens,
+    chain_ids,
+    parents_first,
+    reconstruct_prompts,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -21,6 +31,38 @@ def test_parents_come_first_whatever_the_order(order, data):
     assert sorted(resolved) == calls
     position = {c: i for i, c in enumerate(resolved)}
     assert all(p is None or position[p] < position[c] for c, p in parent_of.items())
+
+
+def _row(call_id, base_id, prefix_len, delta, completion) -> StoredTokens:
+    raw = lambda a: np.asarray(a, dtype="<i4").tobytes()  # noqa: E731
+    return StoredTokens(call_id, base_id, prefix_len, raw(delta), raw(completion))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_one_calls_ids_from_its_chain_are_the_reconstructed_ones(data):
+    # A forest of stored calls: each cuts an earlier call's ids anywhere (even past their end,
+    # as a corrupt row might) and adds its own; the rows come in any order.
+    n = data.draw(st.integers(1, 12))
+    calls = [uuid.UUID(int=i + 1) for i in range(n)]
+    tokens = st.lists(st.integers(0, 99), max_size=6)
+    rows = []
+    for i, call in enumerate(calls):
+        base = data.draw(st.sampled_from([None, *calls[:i]]))
+        cut = data.draw(st.integers(0, 40)) if base is not None else 0
+        rows.append(_row(call, base, cut, data.draw(tokens), data.draw(tokens)))
+    rows = data.draw(st.permutations(rows))
+    prompts = reconstruct_prompts(rows)
+    for row in rows:
+        expected = np.concatenate((prompts[row.id], row.completion_ids))
+        assert chain_ids(rows, row.id).tolist() == expected.tolist()
+
+
+def test_a_chain_of_bases_that_loops_is_refused():
+    a, b = uuid.UUID(int=1), uuid.UUID(int=2)
+    rows = [_row(a, b, 1, [1], [2]), _row(b, a, 1, [3], [4])]
+    with pytest.raises(ValueError, match="loops"):
+        chain_ids(rows, a)
 
 
 def ids(n: int) -> np.ndarray:

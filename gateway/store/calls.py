@@ -12,6 +12,7 @@ import numpy as np
 from gateway.store import bodies
 from gateway.store.tokens import (
     StoredTokens,
+    chain_ids,
     ids_from_bytes,
     logprobs_from_bytes,
     reconstruct_prompts,
@@ -131,8 +132,7 @@ async def recent_full_ids(
 ) -> list[tuple[UUID, np.ndarray]]:
     """(call id, prompt + completion ids) of the rollout's last `limit` calls, oldest first."""
     stored = await rollout_tokens(conn, rollout_id)
-    prompts = reconstruct_prompts(stored)
-    return [(s.id, np.concatenate((prompts[s.id], s.completion_ids))) for s in stored[-limit:]]
+    return [(s.id, chain_ids(stored, s.id)) for s in stored[-limit:]]
 
 
 async def full_ids(conn: asyncpg.Connection, rollout_id: UUID, call_id: UUID) -> np.ndarray | None:
@@ -153,9 +153,7 @@ async def full_ids(conn: asyncpg.Connection, rollout_id: UUID, call_id: UUID) ->
     )
     if not rows:
         return None
-    stored = [StoredTokens(*r) for r in rows]
-    own = next(s for s in stored if s.id == call_id)
-    return np.concatenate((reconstruct_prompts(stored)[call_id], own.completion_ids))
+    return chain_ids([StoredTokens(*r) for r in rows], call_id)
 
 
 async def last_upstream(conn: asyncpg.Connection, rollout_id: UUID) -> str | None:

@@ -74,6 +74,35 @@ def reconstruct_prompts(rows: Iterable[StoredTokens]) -> dict[UUID, np.ndarray]:
     return prompts
 
 
+def chain_ids(rows: Iterable[StoredTokens], call_id: UUID) -> np.ndarray:
+    """Prompt + completion ids of `call_id`, from it and its chain of bases among `rows`, equal
+    to `reconstruct_prompts` followed by the completion. Built from the pieces that survive each
+    call's cut of its base, joined once: the cost follows the call's length plus its chain's,
+    where building every prompt of the chain would copy the conversation once per call."""
+    by_id: Mapping[UUID, StoredTokens] = {r.id: r for r in rows}
+    chain: list[StoredTokens] = []
+    cur: UUID | None = call_id
+    while cur is not None:
+        if len(chain) > len(by_id):
+            raise ValueError(f"the chain of bases of call {call_id} loops")
+        row = by_id[cur]
+        chain.append(row)
+        cur = row.base_id
+    pieces: list[np.ndarray] = []
+    length = 0
+    for row in reversed(chain):  # the root first
+        if row.base_id is not None:
+            while length > row.prefix_len:  # keep the base's first prefix_len ids
+                last = pieces.pop()
+                length -= last.size
+                if length < row.prefix_len:
+                    pieces.append(last[: row.prefix_len - length])
+                    length = row.prefix_len
+        pieces += (row.prompt_delta, row.completion_ids)
+        length += row.prompt_delta.size + row.completion_ids.size
+    return np.concatenate(pieces) if pieces else np.zeros(0, IDS)
+
+
 # What an entry costs besides its arrays and bytes (the tuple, the array and bytes headers).
 _ENTRY_OVERHEAD = 256
 
