@@ -14,7 +14,8 @@
    resumed from the request it extends (now).
 3. Memory of the recent-calls index at 32k-token calls: before, 8 id arrays for each of up to
    4,096 rollouts and no bound in bytes; now, bounded by `--recent-calls-mib`, which also holds
-   the body and continuation keys of each rollout's 4 newest calls.
+   the body and continuation keys of each rollout's 4 newest calls; calls whose ids open the
+   newest call's keep views of its array.
 
     python -m bench.bench_storage     # this section alone; `python -m bench` runs all
 """
@@ -230,9 +231,9 @@ def run(print_fn=print) -> dict:
     print_fn(
         f"recent-calls index at {m['tokens']} tokens a call: before up to "
         f"{m['before_bytes'] / 2**30:.1f} GiB (8 id arrays x 4096 rollouts, no bound in bytes); "
-        f"now {m['per_rollout_bytes'] / 2**20:.1f} MiB a rollout (8 id arrays, 4 bodies and "
-        f"keys), peak {m['peak_bytes'] / 2**20:.1f} MiB under a {m['budget_bytes'] >> 20} MiB "
-        f"bound; the default 512 MiB holds {m['default_rollouts']} such rollouts"
+        f"now {m['per_rollout_bytes'] / 2**20:.1f} MiB a rollout (8 calls' ids as views of the "
+        f"newest call's, 4 bodies and keys), peak {m['peak_bytes'] / 2**20:.1f} MiB under a "
+        f"{m['budget_bytes'] >> 20} MiB bound; the default 512 MiB holds {m['default_rollouts']} such rollouts"
     )
     return {"storage": s, "keys": keys, "index": m}
 

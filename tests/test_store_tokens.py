@@ -113,3 +113,34 @@ def test_a_zero_bound_keeps_nothing():
     recent.add("a", 0, ids(10), body=b"{}")
     recent.load("b", [(1, ids(10))])
     assert recent.get("a") is None and recent.get("b") is None and recent.nbytes == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_calls_that_extend_the_newest_share_its_array_and_keep_their_ids(data):
+    recent = RecentCalls(1 << 30, per_rollout=4, heavy=2)
+    added: dict[int, list[int]] = {}
+    newest: list[int] = []
+    for n in range(data.draw(st.integers(1, 14))):
+        # A conversation going on (the newest call's ids and more), or a fork from anywhere.
+        start = newest if data.draw(st.booleans()) else newest[: data.draw(st.integers(0, 9))]
+        newest = start + data.draw(st.lists(st.integers(0, 9), max_size=5))
+        added[n] = newest
+        recent.add("r", n, np.asarray(newest, dtype=np.int32))
+        entries = recent.entries("r")
+        assert all(c.full.tolist() == added[c.id] for c in entries)
+        assert recent.nbytes == kept_bytes(recent)
+        # What the arrays really hold is no more than what is counted for them.
+        owners = {id(c.full if c.full.base is None else c.full.base): c.full for c in entries}
+        held = sum((a if a.base is None else a.base).nbytes for a in owners.values())
+        assert held <= sum(c.full.nbytes for c in entries if not c.shared)
+
+
+def test_a_conversation_keeps_one_array_for_all_its_calls():
+    recent = RecentCalls(1 << 30)
+    for n in range(5):
+        recent.add("r", n, ids(1000 * (n + 1)))
+    entries = recent.entries("r")
+    assert [c.shared for c in entries] == [True] * 4 + [False]
+    assert all(c.full.base is entries[-1].full for c in entries[:-1])
+    assert recent.nbytes == 5 * RecentCall(0, ids(0)).nbytes + 5000 * 4

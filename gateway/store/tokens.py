@@ -120,12 +120,14 @@ class RecentCall(NamedTuple):
     # `full` as a JSON array (the engine's text of the prompt ids, then the sampled ids): a
     # continuation's prompt is sent as this text extended, not as its ids encoded again.
     full_json: bytes | None = None
+    # `full` is the start of a newer call's array (counted there), not an array of its own.
+    shared: bool = False
 
     @property
     def nbytes(self) -> int:
         return (
             _ENTRY_OVERHEAD
-            + self.full.nbytes
+            + (0 if self.shared else self.full.nbytes)
             + (len(self.body) if self.body is not None else 0)
             + len(self.reply)
             + (len(self.full_json) if self.full_json is not None else 0)
@@ -142,7 +144,11 @@ class RecentCalls:
     Bounded by bytes (`max_bytes`): the least recently used rollouts are dropped first; a
     rollout whose calls alone exceed the bound is not kept at all. Only the newest `heavy`
     calls of a rollout keep their body and keys (as large as the conversation again, and
-    needed only of the call a conversation's next request extends), and their ids' JSON."""
+    needed only of the call a conversation's next request extends), and their ids' JSON.
+
+    A call's ids usually open the next call's (a conversation goes on): the older calls then
+    keep views of the newest call's array rather than arrays of their own, so a rollout's ids
+    take the memory of its longest call, not of each of its calls."""
 
     def __init__(self, max_bytes: int = 512 << 20, per_rollout: int = 8, heavy: int = 4) -> None:
         self.max_bytes = max_bytes
@@ -198,6 +204,8 @@ class RecentCalls:
 
     def _append(self, rollout_id: UUID, call: RecentCall) -> None:
         calls = self._calls[rollout_id]
+        if calls:
+            self._share(calls, call.full)
         if len(calls) >= self.per_rollout:
             self.nbytes -= calls.popleft().nbytes
         calls.append(call)
@@ -210,6 +218,26 @@ class RecentCalls:
                 )
                 self.nbytes += light.nbytes - old.nbytes
 
+    def _share(self, calls: deque[RecentCall], full: np.ndarray) -> None:
+        """When `full` extends the newest call's ids, that call and the calls viewing its array
+        view `full` instead. Views are always older than the call whose array they view, so
+        dropping the oldest calls first never drops an array a kept call still views."""
+        newest = calls[-1].full
+        n = newest.size
+        if n > full.size or not np.array_equal(full[:n], newest):
+            return
+        owner = _owner(newest)
+        for i, c in enumerate(calls):
+            if _owner(c.full) is owner:
+                shared = c._replace(full=full[: c.full.size], shared=True)
+                self.nbytes += shared.nbytes - c.nbytes
+                calls[i] = shared
+
     def _bound(self) -> None:
         while self.nbytes > self.max_bytes and self._calls:
             self.forget(next(iter(self._calls)))
+
+
+def _owner(ids: np.ndarray) -> object:
+    """What holds an array's memory: the array itself, or what it is a view of."""
+    return ids if ids.base is None else ids.base
