@@ -233,7 +233,8 @@ def run(print_fn=print) -> dict:
         f"{m['before_bytes'] / 2**30:.1f} GiB (8 id arrays x 4096 rollouts, no bound in bytes); "
         f"now {m['per_rollout_bytes'] / 2**20:.1f} MiB a rollout (8 calls' ids as views of the "
         f"newest call's, 4 bodies and keys), peak {m['peak_bytes'] / 2**20:.1f} MiB under a "
-        f"{m['budget_bytes'] >> 20} MiB bound; the default 512 MiB holds {m['default_rollouts']} such rollouts"
+        f"{m['budget_bytes'] >> 20} MiB bound; the default 512 MiB holds "
+        f"{m['default_rollouts']} such rollouts"
     )
     return {"storage": s, "keys": keys, "index": m}
 
