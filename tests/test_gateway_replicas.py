@@ -6,6 +6,7 @@ once; the session's replica is never disturbed."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -20,9 +21,14 @@ from trainer_bridge.serve_model import start_vllm
 
 
 def _start_replica(model_dir, port: int, log_path):
-    vllm = start_vllm(model_dir, port, served_model_name=TINY_MODEL_NAME,
-                      max_model_len=TINY_MAX_MODEL_LEN, kv_cache_gib=1, device="auto",
-                      log_path=log_path)
+    # On the last core: vLLM's CPU build pins a server's engine to the first core, where the
+    # first replica's already is, and one replica's long streams then starved the other's (a
+    # survivor stream sent nothing for 30 s, in a full run).
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", str((os.cpu_count() or 1) - 1))
+        vllm = start_vllm(model_dir, port, served_model_name=TINY_MODEL_NAME,
+                          max_model_len=TINY_MAX_MODEL_LEN, kv_cache_gib=1, device="auto",
+                          log_path=log_path)
     vllm.wait_ready(VLLM_READY_TIMEOUT_S)
     return vllm
 
