@@ -22,6 +22,7 @@ in the background, and a disagreement ends that window's use there.
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import msgspec
 
@@ -49,12 +50,17 @@ def window(messages: list, upto: int, kind: str) -> list[int] | None:
     return kept if len(kept) + 1 < len(messages) else None
 
 
-def shape(messages: list, upto: int) -> tuple:
+def shape(messages: list, upto: int) -> bytes:
     """What a window's render depends on besides the request context: the roles from the
-    reply on, and which of those messages call tools."""
-    return tuple(
-        (_role(m), isinstance(m, dict) and bool(m.get("tool_calls"))) for m in messages[upto - 1 :]
-    )
+    reply on, and which of those messages call tools; as a digest, so that a request of any
+    length keys the crosscheck in a few bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    for m in messages[upto - 1 :]:
+        role = _role(m)
+        name = role.encode(errors="replace") if isinstance(role, str) else b""
+        calls = isinstance(m, dict) and bool(m.get("tool_calls"))
+        h.update(b"%d %d %b" % (calls, len(name), name))
+    return h.digest()
 
 
 def _role(message) -> object:

@@ -28,7 +28,7 @@ from gateway.render import (
     split_around,
     split_spans,
 )
-from gateway.render_window import WINDOWS, window
+from gateway.render_window import WINDOWS, shape, window
 
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
 
@@ -585,3 +585,14 @@ async def test_a_crosscheck_checks_less_often_while_it_agrees_down_to_a_floor():
             sampled.append(use)
     # The gaps double while the checks agree, up to 8 uses (8 * sample_every).
     assert sampled == [1, 2, 4, 8, 16, 24]
+
+
+@given(st.lists(st.tuples(roles, st.booleans()), min_size=1, max_size=8),
+       st.lists(st.tuples(roles, st.booleans()), min_size=1, max_size=8))
+def test_a_shape_tells_apart_what_windows_depend_on_in_a_few_bytes(a, b):
+    def messages(spec):
+        return [{"role": r, "content": "x", **({"tool_calls": [{}]} if c else {})} for r, c in spec]
+
+    lead = [{"role": "user", "content": "long ago"}] * 3
+    assert (shape(lead + messages(a), 4) == shape(messages(b), 1)) == (a == b)
+    assert len(shape(messages(a) * 500, 1)) == 16
