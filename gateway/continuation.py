@@ -78,6 +78,7 @@ class ContinuationRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     messages: int = 0  # request messages covered by the parent's request + reply
     render_ms: float | None = None  # time spent rendering for the splice
     rendered_by: str | None = None  # engine | local
+    window: str | None = None  # reply | frame: the part of the conversation rendered, if not all
 
 
 def _texts(content: Any) -> tuple[list, bool]:

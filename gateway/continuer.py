@@ -194,13 +194,19 @@ class Continuer:
             return plain("fallback", cont.REWRITES_HISTORY, render_ms=render_ms)
         ids, reason = cont.splice(parent_full, around.turn_end, around.tail, suffix)
         if ids is None:
-            return plain("fallback", reason, render_ms=render_ms, rendered_by=around.by)
+            return plain(
+                "fallback", reason, render_ms=render_ms, rendered_by=around.by, window=around.window
+            )
         if parent_json is not None:  # the parent's ids as text, then the new ones encoded
             parent_json = engine_ids.join(parent_json, _encode(ids[parent_full.size :].tolist()))
         return Turn(
             keys,
             msgspec.structs.replace(
-                record, path="exact", render_ms=render_ms, rendered_by=around.by
+                record,
+                path="exact",
+                render_ms=render_ms,
+                rendered_by=around.by,
+                window=around.window,
             ),
             parent_id,
             parent_full,

@@ -53,6 +53,7 @@ class Around(NamedTuple):
     turn_end: tuple[int, ...]  # the last tokens of the render up to and including the reply
     tail: list[int]  # the render of the whole request past that point
     by: str  # engine | local
+    window: str | None = None  # the window of the conversation rendered (render_window), if any
 
     def same_ids(self, other: Around) -> bool:
         """Whether two renders agree (a local one may keep fewer end tokens)."""

@@ -98,7 +98,7 @@ class WindowedRenderer:
                 except RenderError:
                     return await whole()
                 self._check.used(key, answer, whole)
-                return answer
+                return None if answer is None else answer._replace(window=kind)
             # A new context or shape: rendered whole, and in each window until one agrees.
             if reference is None:
                 reference = await whole()

@@ -443,6 +443,10 @@ def test_local_template_renders_in_the_gateway(vllm_server, own_database, tmp_pa
     assert [c["continuation"]["rendered_by"] for c in calls[1:]] == ["engine"] + ["local"] * (
         TURNS - 2
     )
+    # ...and in a window of the conversation once that gave the whole conversation's ids.
+    assert [c["continuation"].get("window") for c in calls[1:]] == [None] + ["reply"] * (
+        TURNS - 2
+    )
 
 
 def test_a_restarted_gateway_continues_from_the_database(vllm_server, own_database, tmp_path):
@@ -586,6 +590,7 @@ async def test_windowed_renders_give_the_whole_conversations_ids(vllm_server):
             engine.sent.clear()
             answer = await windowed.around(vllm_server.url, body, upto)
             assert answer is not None and answer.same_ids(whole) and answer.tail == whole.tail
+            assert answer.window == (None if rounds == 8 else "reply")
             if rounds == 8:  # a new context: rendered whole and windowed
                 assert max(engine.sent) == len(json.dumps(body["messages"], separators=(",", ":")))
             else:  # then only the window: the frame, the reply and what follows it
