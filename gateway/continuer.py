@@ -177,7 +177,9 @@ class Continuer:
         if parent_full is None or not parent_full.size:
             return plain("fallback", cont.PARENT_TOKENS)
         started = time.perf_counter()
-        around = self._renderer.around(upstream, body, keys.positions[i] + 1, keys.messages_json)
+        around = self._renderer.around(
+            upstream, body, keys.positions[i] + 1, keys.messages_json, keys.context
+        )
         suffix = self._suffixes.get((upstream, keys.context))
         try:
             if suffix is None:  # probed once per context, beside this call's renders
