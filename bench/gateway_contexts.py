@@ -3,7 +3,7 @@ section (`bench/bench_gateway.py`).
 
 Each context (512, 8k and 32k prompt tokens, 32 sampled) gets a synthetic stand-in (recorded
 vLLM replies cut to 32 tokens; prompts rendered from the request's messages by a stand-in chat
-template and echoed as vLLM's `return_token_ids` does, or the ids the request fixed; vLLM's
+template, or the ids the request fixed, and echoed as vLLM's `return_token_ids` does; vLLM's
 render endpoint served from the same template), a bare aiohttp pass-through in front of it as
 the reference, and a gateway run as an operator runs it: the default log level (INFO, one
 access-log line per call), bodies recorded, every call committed.
@@ -11,7 +11,8 @@ access-log line per call), bodies recorded, every call committed.
 Non-streamed calls come as agent rollouts (`bench/conversation_load.py`): a rollout's first call
 carries the whole context as text; each later one resends the conversation with the reply and
 a new turn of about 64 tokens appended, so the gateway continues it exactly (rolling keys,
-renders, the parent's ids), stores its body as a delta, and skips parsing the echoed prompt.
+renders, the parent's ids), stores its body as a delta, and is not sent back the prompt it
+sent (the sampled ids come as logprob tokens).
 First and later calls are measured apart. Streams repeat one request (their per-chunk cost
 does not depend on the conversation).
 

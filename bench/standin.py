@@ -52,6 +52,8 @@ class _Flags(msgspec.Struct):
     stream: bool = False
     max_tokens: int | None = None
     kv_transfer_params: _Sent | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
 
 
 _flags = msgspec.json.Decoder(_Flags)
@@ -146,18 +148,19 @@ class Synthetic(Replies):
         first.pop("prompt_token_ids")
         self._first = first
         self._tokens = events[1:-1]
-        self._frames: dict[int, list[bytes]] = {}
+        self._frames: dict[tuple, list[bytes]] = {}
+        self._wholes: dict[tuple, dict] = {}
         self._usage = usage
         self._tail = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 
-    def _token_frames(self, n: int) -> list[bytes]:
-        frames = self._frames.get(n)
+    def _token_frames(self, n: int, flags: _Flags) -> list[bytes]:
+        key = (n, flags.return_token_ids, flags.return_tokens_as_token_ids)
+        frames = self._frames.get(key)
         if frames is None:
-            events = [self._tokens[i % len(self._tokens)] for i in range(n)]
-            events[-1] = copy.deepcopy(events[-1])
+            events = [_as_asked(self._tokens[i % len(self._tokens)], flags) for i in range(n)]
             events[-1]["choices"][0]["finish_reason"] = "length"
             frames = [_chunk(b"data: " + msgspec.json.encode(e) + b"\n\n") for e in events]
-            self._frames[n] = frames
+            self._frames[key] = frames
         return frames
 
     def _prompt(self, flags: _Flags, body: bytes) -> tuple[bytes, int]:
@@ -180,17 +183,41 @@ class Synthetic(Replies):
         prompt, n = self._prompt(flags, body)
         sampled = (flags.stream and flags.max_tokens) or self._completion_tokens
         usage = {"prompt_tokens": n, "total_tokens": n + sampled, "completion_tokens": sampled}
+        echo = prompt if flags.return_token_ids else None
         if not flags.stream:
-            body = _with_prompt(self._whole | {"usage": usage}, prompt)
+            shape = (flags.return_token_ids, flags.return_tokens_as_token_ids)
+            whole = self._wholes.get(shape) or self._wholes.setdefault(
+                shape, _as_asked(self._whole, flags)
+            )
+            body = _with_prompt(whole | {"usage": usage}, echo)
             return [_http("200 OK", b"application/json", body)]
-        first = _chunk(b"data: " + _with_prompt(self._first, prompt) + b"\n\n")
+        first = _chunk(b"data: " + _with_prompt(self._first, echo) + b"\n\n")
         last = _chunk(b"data: " + msgspec.json.encode(self._usage | {"usage": usage}) + b"\n\n")
-        return [self.stream_head, first, *self._token_frames(sampled), last, self._tail]
+        return [self.stream_head, first, *self._token_frames(sampled, flags), last, self._tail]
 
 
-def _with_prompt(obj: dict, prompt: bytes) -> bytes:
-    """`obj` encoded with `prompt_token_ids` (already encoded) as its last field."""
+def _with_prompt(obj: dict, prompt: bytes | None) -> bytes:
+    """`obj` encoded with `prompt_token_ids` (already encoded) as its last field, if echoed."""
+    if prompt is None:
+        return msgspec.json.encode(obj)
     return msgspec.json.encode(obj)[:-1] + b',"prompt_token_ids":' + prompt + b"}"
+
+
+def _as_asked(event: dict, flags: _Flags) -> dict:
+    """A copy of a recorded response or chunk with the id fields vLLM sends for `flags`: the
+    sampled `token_ids` only with `return_token_ids`, logprob tokens written `token_id:N` with
+    `return_tokens_as_token_ids`."""
+    event = copy.deepcopy(event)
+    for choice in event.get("choices") or ():
+        ids = choice.get("token_ids") or ()
+        content = (choice.get("logprobs") or {}).get("content")
+        if flags.return_tokens_as_token_ids and content:
+            for entry, token_id in zip(content, ids, strict=True):
+                entry["token"] = f"token_id:{token_id}"
+                entry["bytes"] = list(entry["token"].encode())
+        if not flags.return_token_ids:
+            choice.pop("token_ids", None)
+    return event
 
 
 class _Connection(asyncio.Protocol):

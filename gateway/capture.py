@@ -1,9 +1,11 @@
 """What the engine really did on one call, collected from its response as it streams by.
 
 Token ids and logprobs are taken from vLLM's own fields (`prompt_token_ids`, `token_ids`,
-`logprobs`), never re-encoded (invariant 1). Every sampled token is stamped with the policy
-version live when its chunk arrived (invariant 4). The assistant message the client saw is
-assembled too: it is stored with the call, and later requests are matched against it.
+`logprobs`), never re-encoded (invariant 1). A call whose prompt ids the gateway chose (an exact
+continuation) does not have them echoed: its sampled ids come as the `token_id:N` strings vLLM
+writes for logprob tokens with `return_tokens_as_token_ids`. Every sampled token is stamped with
+the policy version live when its chunk arrived (invariant 4). The assistant message the client
+saw is assembled too: it is stored with the call, and later requests are matched against it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Capture:
         "_reasoning",
         "_tool_calls",
         "usage",
+        "ids_in_logprobs",
     )
 
     def __init__(self) -> None:
@@ -36,6 +39,8 @@ class Capture:
         self._reasoning: list[str] = []
         self._tool_calls: dict[int, dict] = {}
         self.usage: dict | None = None
+        # The engine was asked for no id arrays: sampled ids are read from the logprob tokens.
+        self.ids_in_logprobs = False
 
     # -- feeding -----------------------------------------------------------------------------
 
@@ -86,6 +91,8 @@ class Capture:
 
     def _add_tokens(self, choice: dict, version: int) -> None:
         ids = choice.get("token_ids")
+        if ids is None and self.ids_in_logprobs:
+            ids = choice["token_ids"] = _logprob_ids(choice.get("logprobs"))
         if not ids:
             return
         self.completion_ids.extend(ids)
@@ -152,3 +159,28 @@ class Capture:
             if counted != len(ids):
                 return f"engine counted {counted} {kind} tokens but returned {len(ids)} ids"
         return None
+
+
+_ID_PREFIX = "token_id:"
+
+
+def _logprob_ids(logprobs) -> list[int] | None:
+    """The sampled ids of a chat choice's `logprobs.content` written as `token_id:N`; None if it
+    has none, or any token is not written so (then no ids are taken and the check fails)."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not content:
+        return None
+    try:
+        tokens = [entry["token"] for entry in content]
+    except (KeyError, TypeError):
+        return None
+    n = len(_ID_PREFIX)
+    # Plain ASCII digits only: int() would also take signs, spaces, underscores and other scripts.
+    if not all(
+        type(t) is str and t.startswith(_ID_PREFIX) and t[n:].isascii() and t[n:].isdigit()
+        and len(t) - n <= 10
+        for t in tokens
+    ):
+        return None
+    ids = [int(t[n:]) for t in tokens]
+    return ids if max(ids) < 2**31 else None

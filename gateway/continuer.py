@@ -62,6 +62,7 @@ class Turn:
         instead (it does so for media content) must not leave an `exact` record behind."""
         if (
             self.prompt_ids is not None
+            and prompt is not self.prompt_ids  # not echoed: the engine's count checked it
             and prompt.size
             and not np.array_equal(prompt, self.prompt_ids)
         ):

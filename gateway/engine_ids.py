@@ -50,6 +50,12 @@ def holder(payload) -> dict | None:
     return None
 
 
+def count(ids) -> int:
+    """How many prompt ids a response holds: a list, or the int32 array the relay puts in place
+    of the engine's for protocols that only count them; 0 if it has none."""
+    return 0 if ids is None or isinstance(ids, int) else len(ids)
+
+
 def is_sentinel(value) -> bool:
     """Whether a decoded `split` response holds the cut-out array's placeholder here."""
     return type(value) is int and value == 0

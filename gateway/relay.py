@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import numpy as np
 from aiohttp import web
 
 from gateway import engine_ids
@@ -51,7 +52,7 @@ STREAM_STARTED = "rolltap.stream_started"
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 # Protocols that pass the engine's id arrays through (or drop them) without reading them; the
-# others are handed the prompt ids as a list.
+# others only count the prompt ids, and are handed the array the capture holds.
 _PASSES_IDS = frozenset({"chat", "completions"})
 
 
@@ -206,6 +207,7 @@ async def relay(
     if stateful:
         call.state = lambda resp_body: proto.stored_state(req, ctx, resp_body)
     call.offered_tools = bool(body.get("tools"))
+    client_ids = bool(body.get("return_token_ids"))
     call.requested, call.applied = pin_sampling(body, svc.config.temperature, proto.UPSTREAM_PATH)
     for key in CAPTURE_OFF:
         if key in body:
@@ -232,6 +234,14 @@ async def relay(
         if call.turn.prompt_ids is not None:
             call.sent_prompt = call.turn.prompt_json or _encode(call.turn.prompt_ids.tolist())
             body["kv_transfer_params"] = {"prompt_token_ids": msgspec.Raw(call.sent_prompt)}
+            asked = call.requested
+            if not (client_ids or asked.get("logprobs") or asked.get("top_logprobs")):
+                # The engine would echo the prompt the gateway just sent (at 32k tokens, 200 kB
+                # to write, read and compare per call): only the sampled ids are asked for, as
+                # logprob tokens. Its prompt token count still checks that it used these ids.
+                del body["return_token_ids"]
+                body["return_tokens_as_token_ids"] = True
+                call.capture.ids_in_logprobs = True
     call._task = asyncio.current_task()
     svc.calls.add(call)
     try:
@@ -434,7 +444,15 @@ async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamRespons
 def _engine_payload(call: _Call, raw: bytes) -> dict:
     """The engine's response (or a chunk) decoded, its prompt ids handed to the capture as an
     array without passing through Python ints. Ids byte for byte those the gateway sent (an
-    exact continuation: vLLM echoes them) are not parsed again."""
+    exact continuation: vLLM echoes them) are not parsed again; ids it was not asked to echo
+    are the ones sent."""
+    if call.capture.ids_in_logprobs:
+        payload = _decode(raw)
+        if isinstance(payload, dict) and call.capture.prompt_ids is None:
+            call.prompt_json = call.sent_prompt
+            call.capture.set_prompt(call.turn.prompt_ids)
+            _hand_over(call, payload, call.sent_prompt, call.turn.prompt_ids)
+        return payload
     rest, span = engine_ids.split(raw)
     if span is None:
         return _decode(raw)
@@ -447,8 +465,13 @@ def _engine_payload(call: _Call, raw: bytes) -> dict:
     if call.capture.prompt_ids is None:
         call.prompt_json = span
     call.capture.set_prompt(ids)
-    holder[engine_ids.KEY] = msgspec.Raw(span) if call.protocol in _PASSES_IDS else ids.tolist()
+    _hand_over(call, holder, span, ids)
     return payload
+
+
+def _hand_over(call: _Call, holder: dict, span: bytes, ids: np.ndarray) -> None:
+    """Puts the prompt ids where the engine's response holds them, as the protocol takes them."""
+    holder[engine_ids.KEY] = msgspec.Raw(span) if call.protocol in _PASSES_IDS else ids
 
 
 async def _record_abandoned(call: _Call) -> None:

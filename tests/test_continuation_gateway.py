@@ -24,6 +24,7 @@ from gateway.render_window import WINDOWS, WindowedRenderer
 from gateway.store import bodies
 from gateway.store import calls as calls_store
 from gateway.upstream import Upstreams
+from tests.support.detokenize import engine_text
 from tests.support.gateway import GatewayProcess
 from tests.support.postgres import fresh_database
 
@@ -185,6 +186,39 @@ def test_client_sees_the_engine_prompt_it_asked_for(gateway, vllm_server):
         ]
     # Recorded ids are the engine's own (invariant 1), also when the gateway chose them.
     assert [c["prompt_ids"] for c in gateway.calls(rollout["rollout_id"])] == echoed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_continued_calls_record_the_ids_the_engine_sampled(
+    gateway, vllm_server, tiny_tokenizer, stream
+):
+    """An exact continuation's prompt is not echoed back to the gateway that sent it; its
+    sampled ids are read from the logprob tokens instead, and must be those the client's text
+    came from."""
+    rollout = gateway.new_rollout()
+    client = _chat_client(rollout)
+    messages = [{"role": "user", "content": "Say something."}]
+    texts = []
+    for turn in range(3):
+        kwargs = dict(model=vllm_server.model, messages=messages, max_tokens=24)
+        if stream:
+            chunks = client.chat.completions.create(stream=True, **kwargs)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            text = client.chat.completions.create(**kwargs).choices[0].message.content or ""
+        texts.append(text)
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"more {turn}"},
+        ]
+    calls = gateway.calls(rollout["rollout_id"])
+    assert [c["continuation"]["path"] for c in calls] == ["render", "exact", "exact"]
+    for prev, call, text in zip([None, *calls], calls, texts):
+        assert call["status"] == "ok"
+        assert engine_text(tiny_tokenizer, call) == text
+        assert len(call["logprobs"]) == len(call["completion_ids"]) > 0
+        if prev is not None:
+            assert call["prompt_ids"][: len(full(prev))] == full(prev)
 
 
 def anthropic_conversation(gw, model):

@@ -112,3 +112,41 @@ def test_join_is_the_array_of_both(a, b, ws, spaced):
         return (text if x else f"[{ws}]").encode()
 
     assert msgspec.json.decode(engine_ids.join(dump(a), dump(b))) == a + b
+
+
+def _chunk(tokens: list, logprobs: list[float]) -> dict:
+    content = [{"token": t, "logprob": lp} for t, lp in zip(tokens, logprobs, strict=True)]
+    return {"choices": [{"index": 0, "delta": {"content": "x"}, "logprobs": {"content": content}}]}
+
+
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=40))
+def test_sampled_ids_not_echoed_are_read_from_the_logprob_tokens(values) -> None:
+    cap = Capture()
+    cap.ids_in_logprobs = True
+    cap.add_chunk(_chunk([f"token_id:{v}" for v in values], [-0.5] * len(values)), version=3)
+    assert list(cap.completion_ids) == values
+    assert len(cap.logprobs) == len(values)
+    assert cap.versions().tolist() == [3] * len(values)
+
+
+@pytest.mark.parametrize(
+    "token",
+    ["12", "token_id:", "token_id:-1", "token_id: 7", "token_id:1_0", "token_id:٣", 5]
+    + ["token_id:2147483648"],
+)
+def test_a_logprob_token_that_is_not_an_id_takes_no_ids(token) -> None:
+    """One token not written `token_id:N` (text, a sign, a space, another script's digit): no
+    ids are taken from the chunk, so the engine's count check fails instead of a wrong id."""
+    cap = Capture()
+    cap.ids_in_logprobs = True
+    cap.add_chunk(_chunk(["token_id:4", token], [-1.0, -1.0]), version=0)
+    assert list(cap.completion_ids) == [] and list(cap.logprobs) == []
+    cap.set_prompt(np.arange(3, dtype=np.int32))
+    cap.usage = {"prompt_tokens": 3, "completion_tokens": 2}
+    assert cap.check() == "engine counted 2 completion tokens but returned 0 ids"
+
+
+def test_ids_are_not_read_from_logprob_tokens_unless_asked() -> None:
+    cap = Capture()
+    cap.add_chunk(_chunk(["token_id:4"], [-1.0]), version=0)
+    assert list(cap.completion_ids) == []

@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from gateway import engine_ids
 from gateway.protocols import segments
 from gateway.protocols.errors import GatewayError, bad_request, invalid_field, text_only
 from gateway.protocols.normalize import normalize_messages
@@ -684,7 +685,7 @@ class Stream(segments.Sink):
 
     def feed(self, chunk: dict[str, Any]) -> bytes:
         if not self._started:
-            self._start(len(chunk.get("prompt_token_ids") or ()))
+            self._start(engine_ids.count(chunk.get(engine_ids.KEY)))
         self._acc.feed(chunk, self)
         return self._flush()
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from gateway import engine_ids
+
 REASONING = "reasoning"
 TEXT = "text"
 TOOL_CALL = "tool_call"
@@ -107,7 +109,7 @@ class Accumulator:
 
     def feed(self, chunk: dict[str, Any], sink: Sink = _SILENT) -> None:
         if self.prompt_tokens is None:
-            self.prompt_tokens = len(chunk.get("prompt_token_ids") or ())
+            self.prompt_tokens = engine_ids.count(chunk.get(engine_ids.KEY))
         choices = chunk.get("choices")
         if choices:
             choice = choices[0]
