@@ -38,7 +38,7 @@ _PROBE_EMPTY_REPLY = {"role": "assistant", "content": ""}
 class Turn:
     """One call's continuation: its request keys, what was decided, and the ids to send."""
 
-    __slots__ = ("keys", "record", "parent_id", "parent_full", "prompt_ids", "prompt_json")
+    __slots__ = ("keys", "record", "parent_id", "parent_full", "prompt_ids", "prompt_pieces")
 
     def __init__(
         self,
@@ -47,15 +47,15 @@ class Turn:
         parent_id: UUID | None = None,
         parent_full: np.ndarray | None = None,
         prompt_ids: np.ndarray | None = None,
-        prompt_json: bytes | None = None,
+        prompt_pieces: engine_ids.Pieces | None = None,
     ) -> None:
         self.keys = keys
         self.record = record
         self.parent_id = parent_id
         self.parent_full = parent_full
         self.prompt_ids = prompt_ids
-        # `prompt_ids` as the JSON sent to the engine, when the parent's is at hand
-        self.prompt_json = prompt_json
+        # `prompt_ids` as JSON pieces (the parent's, then the new ids), if the parent's are at hand
+        self.prompt_pieces = prompt_pieces
 
     def confirm(self, prompt: np.ndarray) -> None:
         """Checks the engine's prompt against the splice: an engine that rendered the messages
@@ -174,7 +174,7 @@ class Continuer:
             return plain("fallback", cont.MEDIA)
         if body.get("echo"):
             return plain("fallback", cont.ECHO)
-        parent_full, parent_json = await self._parent_ids(rollout_id, parent_id)
+        parent_full, parent_pieces = await self._parent_ids(rollout_id, parent_id)
         if parent_full is None or not parent_full.size:
             return plain("fallback", cont.PARENT_TOKENS)
         started = time.perf_counter()
@@ -200,8 +200,9 @@ class Continuer:
             return plain(
                 "fallback", reason, render_ms=render_ms, rendered_by=around.by, window=around.window
             )
-        if parent_json is not None:  # the parent's ids as text, then the new ones encoded
-            parent_json = engine_ids.join(parent_json, _encode(ids[parent_full.size :].tolist()))
+        pieces = None
+        if parent_pieces is not None:  # the parent's ids as text, then the new ones encoded
+            pieces = engine_ids.extend(parent_pieces, _encode(ids[parent_full.size :].tolist()))
         return Turn(
             keys,
             msgspec.structs.replace(
@@ -214,7 +215,7 @@ class Continuer:
             parent_id,
             parent_full,
             ids,
-            parent_json,
+            pieces,
         )
 
     def remember(self, rollout_id: UUID, call_id: UUID, reply_keys: list[bytes]) -> None:
@@ -235,7 +236,7 @@ class Continuer:
 
     async def _parent_ids(
         self, rollout_id: UUID, call_id: UUID
-    ) -> tuple[np.ndarray | None, bytes | None]:
+    ) -> tuple[np.ndarray | None, engine_ids.Pieces | None]:
         """The parent's prompt + sampled ids, and their JSON if it is at hand."""
         recent = self._recent.find(rollout_id, call_id)
         if recent is not None:

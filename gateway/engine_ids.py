@@ -91,14 +91,32 @@ def _parse_plain(span: bytes) -> np.ndarray | None:
     return ids.astype(np.int32)
 
 
-def join(a: bytes, b: bytes) -> bytes:
-    """The JSON array of `a`'s items followed by `b`'s (both JSON arrays): the text of a long
-    id array extended without passing its ids through Python ints."""
-    if _EMPTY.fullmatch(a):
-        return b
-    if _EMPTY.fullmatch(b):
-        return a
-    return b"".join((memoryview(a)[:-1], b",", memoryview(b)[1:]))  # one copy
+# A long id array's JSON kept as the JSON arrays it was built from, oldest first: the calls of
+# a conversation share the pieces of its prefix instead of each holding a copy of the whole.
+Pieces = tuple[bytes, ...]
+_MAX_PIECES = 64  # then merged into one: a conversation of many calls stays a few pieces
+
+
+def extend(pieces: Pieces, array: bytes) -> Pieces:
+    """`pieces` followed by the JSON array `array`."""
+    out = (*pieces, array)
+    return out if len(out) <= _MAX_PIECES else (concat(out),)
+
+
+def concat(pieces: Pieces) -> bytes:
+    """The one JSON array of all `pieces`' items, in order, written in one copy without passing
+    the ids through Python ints."""
+    if len(pieces) == 1:
+        return pieces[0]
+    parts: list = [b"["]
+    for piece in pieces:
+        if _EMPTY.fullmatch(piece):
+            continue
+        if len(parts) > 1:
+            parts.append(b",")
+        parts.append(memoryview(piece)[1:-1])
+    parts.append(b"]")
+    return b"".join(parts)
 
 
 def _leading_zero(inner: bytes) -> bool:

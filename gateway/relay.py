@@ -138,7 +138,8 @@ class _Call:
         self.retry_count = 0
         self.turn: Turn | None = None  # the continuation step (chat-completions upstreams)
         self.sent_prompt: bytes | None = None  # the turn's prompt ids as sent, JSON-encoded
-        self.prompt_json: bytes | None = None  # the engine's prompt ids, as it wrote them
+        # The engine's prompt ids as JSON pieces: as it echoed them, or as they were sent.
+        self.prompt_json: engine_ids.Pieces | None = None
         # For stateful protocols: response object -> what to store for later continuation.
         self.state = None
         self.state_source = None  # the response object (or its bytes) given to the client
@@ -232,7 +233,8 @@ async def relay(
     if proto.UPSTREAM_PATH == "/v1/chat/completions":  # legacy completions has no messages
         call.turn = await svc.continuer.prepare(rollout_id, call.upstream, body)
         if call.turn.prompt_ids is not None:
-            call.sent_prompt = call.turn.prompt_json or _encode(call.turn.prompt_ids.tolist())
+            call.prompt_json = call.turn.prompt_pieces or (_encode(call.turn.prompt_ids.tolist()),)
+            call.sent_prompt = engine_ids.concat(call.prompt_json)
             body["kv_transfer_params"] = {"prompt_token_ids": msgspec.Raw(call.sent_prompt)}
             asked = call.requested
             if not (client_ids or asked.get("logprobs") or asked.get("top_logprobs")):
@@ -449,7 +451,6 @@ def _engine_payload(call: _Call, raw: bytes) -> dict:
     if call.capture.ids_in_logprobs:
         payload = _decode(raw)
         if isinstance(payload, dict) and call.capture.prompt_ids is None:
-            call.prompt_json = call.sent_prompt
             call.capture.set_prompt(call.turn.prompt_ids)
             _hand_over(call, payload, call.sent_prompt, call.turn.prompt_ids)
         return payload
@@ -460,10 +461,12 @@ def _engine_payload(call: _Call, raw: bytes) -> dict:
     holder = engine_ids.holder(payload)
     if holder is None:  # an id array nested where the engine puts none: decoded as it came
         return _decode(raw)
-    sent = call.sent_prompt
-    ids = call.turn.prompt_ids if sent is not None and span == sent else engine_ids.parse(span)
-    if call.capture.prompt_ids is None:
-        call.prompt_json = span
+    if call.sent_prompt is not None and span == call.sent_prompt:
+        ids = call.turn.prompt_ids  # `prompt_json` holds them as sent
+    else:
+        ids = engine_ids.parse(span)
+        if call.capture.prompt_ids is None:
+            call.prompt_json = (span,)
     call.capture.set_prompt(ids)
     _hand_over(call, holder, span, ids)
     return payload

@@ -105,13 +105,18 @@ def test_edge_cases_parse_or_fail_as_the_list_path(span) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(ids, ids, whitespace, st.booleans())
-def test_join_is_the_array_of_both(a, b, ws, spaced):
-    def dump(x):
+@given(st.lists(st.tuples(ids, whitespace, st.booleans()), min_size=1, max_size=80))
+def test_pieces_are_the_array_of_all_of_them(arrays):
+    def dump(x, ws, spaced):
         text = json.dumps(x, separators=None if spaced else (",", ":"))
         return (text if x else f"[{ws}]").encode()
 
-    assert msgspec.json.decode(engine_ids.join(dump(a), dump(b))) == a + b
+    pieces: engine_ids.Pieces = ()
+    for values, ws, spaced in arrays:
+        pieces = engine_ids.extend(pieces, dump(values, ws, spaced))
+    assert len(pieces) <= 64
+    expected = [v for values, _, _ in arrays for v in values]
+    assert msgspec.json.decode(engine_ids.concat(pieces)) == expected
 
 
 def _chunk(tokens: list, logprobs: list[float]) -> dict:

@@ -3,6 +3,7 @@ its chain, and the recent-calls index, bounded by bytes and exact in what it kee
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway import engine_ids
 from gateway.store.tokens import (
     RecentCall,
     RecentCalls,
@@ -121,19 +123,46 @@ def test_calls_that_extend_the_newest_share_its_array_and_keep_their_ids(data):
     recent = RecentCalls(1 << 30, per_rollout=4, heavy=2)
     added: dict[int, list[int]] = {}
     newest: list[int] = []
+    pieces: engine_ids.Pieces = ()
     for n in range(data.draw(st.integers(1, 14))):
-        # A conversation going on (the newest call's ids and more), or a fork from anywhere.
-        start = newest if data.draw(st.booleans()) else newest[: data.draw(st.integers(0, 9))]
-        newest = start + data.draw(st.lists(st.integers(0, 9), max_size=5))
+        # A conversation going on (the newest call's ids and more), or a fork from anywhere;
+        # its ids' JSON written on from the newest's pieces, or anew.
+        going_on = data.draw(st.booleans())
+        start = newest if going_on else newest[: data.draw(st.integers(0, 9))]
+        more = data.draw(st.lists(st.integers(0, 9), max_size=5))
+        newest = start + more
+        if going_on and data.draw(st.booleans()):
+            pieces = engine_ids.extend(pieces, json.dumps(more).encode())
+        else:
+            pieces = (json.dumps(newest).encode(),)
         added[n] = newest
-        recent.add("r", n, np.asarray(newest, dtype=np.int32))
+        recent.add("r", n, np.asarray(newest, dtype=np.int32), full_json=pieces)
         entries = recent.entries("r")
         assert all(c.full.tolist() == added[c.id] for c in entries)
+        assert all(
+            json.loads(engine_ids.concat(c.full_json)) == added[c.id]
+            for c in entries
+            if c.full_json is not None
+        )
         assert recent.nbytes == kept_bytes(recent)
-        # What the arrays really hold is no more than what is counted for them.
+        # What the arrays and JSON pieces really hold is no more than what is counted for them.
         owners = {id(c.full if c.full.base is None else c.full.base): c.full for c in entries}
         held = sum((a if a.base is None else a.base).nbytes for a in owners.values())
         assert held <= sum(c.full.nbytes for c in entries if not c.shared)
+        texts = {id(p): len(p) for c in entries for p in c.full_json or ()}
+        counted = sum(sum(map(len, c.full_json or ())) for c in entries if not c.shared)
+        assert sum(texts.values()) <= counted
+
+
+def test_a_continued_call_drops_its_body_and_keys_to_the_call_continuing_it():
+    recent = RecentCalls(1 << 30, per_rollout=8, heavy=4)
+    recent.add("r", 0, ids(10), keys=None, body=b"a" * 100, reply=b"r", full_json=(b"[0]",))
+    recent.add("r", 1, ids(5), body=b"b" * 100)  # a side call: continues nothing
+    recent.add("r", 2, ids(20), body=b"c" * 100, supersedes=0)
+    first, side, newest = recent.entries("r")
+    assert first.body is None and not first.reply and first.full_json is None
+    assert side.body == b"b" * 100 and newest.body == b"c" * 100
+    assert recent.nbytes == kept_bytes(recent)
 
 
 def test_a_conversation_keeps_one_array_for_all_its_calls():

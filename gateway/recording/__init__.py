@@ -159,7 +159,8 @@ class Recording:
                 reply=summary if self._record_bodies else b"",
                 full_json=None
                 if call.prompt_json is None
-                else engine_ids.join(call.prompt_json, _encode(completion.tolist())),
+                else engine_ids.extend(call.prompt_json, _encode(completion.tolist())),
+                supersedes=base_id if _continues(base_id, prefix_len, candidates) else None,
             )
         if reply_keys:
             self._continuer.remember(rollout_id, call.id, reply_keys)
@@ -176,6 +177,14 @@ class Recording:
         if base is None or base.body is None:
             return bodies.whole(raw), None
         return bodies.delta(base.body, raw, base.reply), base_id
+
+
+def _continues(base_id, prefix_len: int, candidates) -> bool:
+    """Whether a prompt whose longest shared prefix with `base_id`'s ids is `prefix_len` holds
+    all of them: the call continues that one."""
+    return base_id is not None and any(
+        cid == base_id and full.size == prefix_len for cid, full in candidates
+    )
 
 
 def _failure(exc: BaseException) -> GatewayError:

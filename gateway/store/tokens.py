@@ -117,10 +117,11 @@ class RecentCall(NamedTuple):
     # request body is a delta against (store/bodies).
     body: bytes | None = None
     reply: bytes = b""
-    # `full` as a JSON array (the engine's text of the prompt ids, then the sampled ids): a
-    # continuation's prompt is sent as this text extended, not as its ids encoded again.
-    full_json: bytes | None = None
-    # `full` is the start of a newer call's array (counted there), not an array of its own.
+    # `full` as JSON, in the pieces it was written in (gateway/engine_ids: the engine's text of
+    # the prompt ids, then the sampled ids): a continuation's prompt is sent as this text
+    # extended, not as its ids encoded again; the calls continuing it share its pieces.
+    full_json: tuple[bytes, ...] | None = None
+    # `full` is the start of a newer call's array, and `full_json` of its pieces (counted there).
     shared: bool = False
 
     @property
@@ -130,7 +131,7 @@ class RecentCall(NamedTuple):
             + (0 if self.shared else self.full.nbytes)
             + (len(self.body) if self.body is not None else 0)
             + len(self.reply)
-            + (len(self.full_json) if self.full_json is not None else 0)
+            + (0 if self.shared or self.full_json is None else sum(map(len, self.full_json)))
             + (self.keys.nbytes if self.keys is not None else 0)
         )
 
@@ -142,13 +143,14 @@ class RecentCalls:
     whole body stored), never correctness.
 
     Bounded by bytes (`max_bytes`): the least recently used rollouts are dropped first; a
-    rollout whose calls alone exceed the bound is not kept at all. Only the newest `heavy`
-    calls of a rollout keep their body and keys (as large as the conversation again, and
-    needed only of the call a conversation's next request extends), and their ids' JSON.
+    rollout whose calls alone exceed the bound is not kept at all. A call's body and keys are
+    as large as its conversation again, and needed only of the call a conversation's next
+    request extends: a call continued by a newer one (`supersedes`) drops them (a retry of the
+    newer call finds them there), and only the newest `heavy` calls of a rollout keep them.
 
     A call's ids usually open the next call's (a conversation goes on): the older calls then
-    keep views of the newest call's array rather than arrays of their own, so a rollout's ids
-    take the memory of its longest call, not of each of its calls."""
+    keep views of the newest call's array, and the pieces of its JSON, rather than their own,
+    so a rollout's ids take the memory of its longest call, not of each of its calls."""
 
     def __init__(self, max_bytes: int = 512 << 20, per_rollout: int = 8, heavy: int = 4) -> None:
         self.max_bytes = max_bytes
@@ -190,12 +192,16 @@ class RecentCalls:
         keys: Any = None,
         body: bytes | None = None,
         reply: bytes = b"",
-        full_json: bytes | None = None,
+        full_json: tuple[bytes, ...] | None = None,
+        supersedes: UUID | None = None,
     ) -> None:
+        """`supersedes`: a call this one continues (its prompt holds that call's whole ids)."""
         if rollout_id not in self._calls:
             self._calls[rollout_id] = deque()
         self._calls.move_to_end(rollout_id)
         self._append(rollout_id, RecentCall(call_id, full_ids, keys, body, reply, full_json))
+        if supersedes is not None:
+            self._lighten(rollout_id, supersedes)
         self._bound()
 
     def forget(self, rollout_id: UUID) -> None:
@@ -205,37 +211,62 @@ class RecentCalls:
     def _append(self, rollout_id: UUID, call: RecentCall) -> None:
         calls = self._calls[rollout_id]
         if calls:
-            self._share(calls, call.full)
+            self._share(calls, call)
         if len(calls) >= self.per_rollout:
             self.nbytes -= calls.popleft().nbytes
         calls.append(call)
         self.nbytes += call.nbytes
         if len(calls) > self.heavy:
-            old = calls[-self.heavy - 1]
-            if old.keys is not None or old.body is not None or old.full_json is not None:
-                calls[-self.heavy - 1] = light = old._replace(
-                    keys=None, body=None, reply=b"", full_json=None
-                )
-                self.nbytes += light.nbytes - old.nbytes
+            self._lighten(rollout_id, calls[-self.heavy - 1].id)
 
-    def _share(self, calls: deque[RecentCall], full: np.ndarray) -> None:
-        """When `full` extends the newest call's ids, that call and the calls viewing its array
-        view `full` instead. Views are always older than the call whose array they view, so
-        dropping the oldest calls first never drops an array a kept call still views."""
+    def _lighten(self, rollout_id: UUID, call_id: UUID) -> None:
+        """Drops a call's body and keys, and its JSON unless a newer call's pieces hold it; the
+        calls whose JSON is the start of its pieces then drop theirs too (counted nowhere)."""
+        calls = self._calls[rollout_id]
+        for i, old in enumerate(calls):
+            if old.id != call_id or i == len(calls) - 1:
+                continue
+            light = old._replace(
+                keys=None, body=None, reply=b"", full_json=old.full_json if old.shared else None
+            )
+            self.nbytes += light.nbytes - old.nbytes
+            calls[i] = light
+            if not old.shared and old.full_json is not None:
+                owner = _owner(old.full)
+                for j, c in enumerate(calls):
+                    if c.shared and c.full_json is not None and _owner(c.full) is owner:
+                        calls[j] = c._replace(full_json=None)  # shared: counted as 0 before too
+
+    def _share(self, calls: deque[RecentCall], new: RecentCall) -> None:
+        """When `new`'s ids extend the newest call's, that call and the calls viewing its array
+        view `new`'s instead, and keep their JSON where `new`'s pieces start with theirs. Views
+        are always older than the call whose array they view, so dropping the oldest calls first
+        never drops an array a kept call still views."""
         newest = calls[-1].full
         n = newest.size
-        if n > full.size or not np.array_equal(full[:n], newest):
+        if n > new.full.size or not np.array_equal(new.full[:n], newest):
             return
         owner = _owner(newest)
         for i, c in enumerate(calls):
             if _owner(c.full) is owner:
-                shared = c._replace(full=full[: c.full.size], shared=True)
+                shared = c._replace(
+                    full=new.full[: c.full.size],
+                    shared=True,
+                    full_json=c.full_json if _starts(new.full_json, c.full_json) else None,
+                )
                 self.nbytes += shared.nbytes - c.nbytes
                 calls[i] = shared
 
     def _bound(self) -> None:
         while self.nbytes > self.max_bytes and self._calls:
             self.forget(next(iter(self._calls)))
+
+
+def _starts(pieces: tuple[bytes, ...] | None, prefix: tuple[bytes, ...] | None) -> bool:
+    """Whether `pieces` starts with the very pieces of `prefix` (not copies of them)."""
+    if pieces is None or prefix is None or len(prefix) > len(pieces):
+        return False
+    return all(a is b for a, b in zip(prefix, pieces))
 
 
 def _owner(ids: np.ndarray) -> object:
