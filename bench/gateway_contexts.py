@@ -13,8 +13,9 @@ carries the whole context as text; each later one resends the conversation with 
 a new turn of about 64 tokens appended, so the gateway continues it exactly (rolling keys,
 renders, the parent's ids), stores its body as a delta, and is not sent back the prompt it
 sent (the sampled ids come as logprob tokens).
-First and later calls are measured apart. Streams repeat one request (their per-chunk cost
-does not depend on the conversation).
+First and later calls are measured apart, in ROUNDS rounds that take the contexts in turn; each
+number is the median of its rounds. Streams repeat one request (their per-chunk cost does not
+depend on the conversation).
 
 Postgres CPU is its backends' user + system time from /proc over the measured phase (the
 gateway's pool connections), divided by the calls recorded in it.
@@ -22,6 +23,7 @@ gateway's pool connections), divided by the calls recorded in it.
 
 from __future__ import annotations
 
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -75,6 +77,9 @@ RUNS = (
 # 4 rollouts a harness (1,024 later calls): with 2, the 32k row moved by a third between runs.
 ROLLOUTS = ((1, 60), (64, 4))
 TURNS = 5
+# Rounds of the rollout loads, each context in turn: a context's numbers are their medians.
+# Per-call CPU at c=64 moved by a third between single runs on this 2-core machine.
+ROUNDS = 3
 
 
 def _per_call(seconds: float, r: LoadResult) -> float:
@@ -93,108 +98,151 @@ def _numbers(r: LoadResult, rows: float, commits: int) -> dict:
     }
 
 
-def measure(dsn: str, datname: str, print_fn) -> dict:
-    """{context: {side: {run name: numbers}}} for every context, side and run."""
-    out: dict[int, dict] = {}
-    log_dir = Path(tempfile.mkdtemp(prefix="rolltap-bench-ctx-"))
-    for tokens in CONTEXTS:
+class _Context:
+    """One context's processes: its stand-in, the pass-through and the gateway in front of it."""
+
+    def __init__(self, tokens: int, dsn: str, log_dir: Path) -> None:
+        self.tokens = tokens
         port, pass_port = free_port(), free_port()
         upstream_url = f"http://127.0.0.1:{port}"
-        procs = [standin.start(port, context=(tokens, COMPLETION_TOKENS), template=True)]
-        gateway = Gateway(upstream_url, dsn, log_dir / f"gateway-{tokens}.log")
+        self.procs: list[subprocess.Popen] = []
+        self.gateway = Gateway(upstream_url, dsn, log_dir / f"gateway-{tokens}.log")
         try:
-            procs.append(
+            self.procs.append(
+                standin.start(port, context=(tokens, COMPLETION_TOKENS), template=True)
+            )
+            self.procs.append(
                 standin.start(
                     pass_port,
-                    argv=[
-                        "-m",
-                        "bench.passthrough",
-                        "--port",
-                        str(pass_port),
-                        "--upstream",
-                        upstream_url,
-                    ],
+                    argv=["-m", "bench.passthrough", "--port", str(pass_port), "--upstream",
+                          upstream_url],
                 )  # fmt: skip
             )
-            gateway.start()
-            sides = {
-                "direct": (upstream_url, None),
-                "aiohttp pass-through": (f"http://127.0.0.1:{pass_port}", procs[1].pid),
-                "gateway": (gateway.url, gateway.proc.pid),
-            }
-            out[tokens] = {side: {} for side in sides}
-            for concurrency, rollouts in ROLLOUTS:
-                for side, (url, pid) in sides.items():
-                    if side == "direct" and concurrency != 1:
-                        continue  # only the latency baseline is needed
-                    keys = [[None] * (rollouts + 1) for _ in range(concurrency)]
-                    if side == "gateway":
-                        keys = [[gateway.new_rollout()["api_key"] for _ in h] for h in keys]
-                    batches0 = gateway.batch_rows()
-                    r = conversation_load.run(
-                        conversation_load.ConversationSpec(
-                            url=url,
-                            rollouts=keys,
-                            turns=TURNS,
-                            context_tokens=tokens,
-                            pids={"standin": [procs[0].pid], **({"proxy": [pid]} if pid else {})},
-                            postgres=(POSTGRES_URL, datname) if side == "gateway" else None,
-                        )
-                    )
-                    rows, commits = (a - b for a, b in zip(gateway.batch_rows(), batches0))
-                    for phase, res in (("first", r.first), ("later", r.later)):
-                        if res.first_error:
-                            print_fn(
-                                f"  {tokens} {side} c={concurrency} {phase}: {res.errors} "
-                                f"errors: {res.first_error}"
-                            )
-                        commits_here = commits if side == "gateway" else 0
-                        out[tokens][side][f"json c={concurrency} {phase}"] = _numbers(
-                            res, rows, commits_here
-                        )
-            for run in RUNS:
-                for side, (url, pid) in sides.items():
-                    if side == "direct" and run.tokens != COMPLETION_TOKENS:
-                        continue  # only the latency baselines are needed
-                    keys: list[str | None] = [None] * run.concurrency
-                    if side == "gateway":
-                        keys = [gateway.new_rollout()["api_key"] for _ in keys]
-                    batches0 = gateway.batch_rows() if side == "gateway" else (0.0, 0)
-                    r = run_loadgen(
-                        LoadSpec(
-                            url=url,
-                            keys=keys,
-                            stream=run.stream,
-                            unknown_turn=False,
-                            requests=100_000,
-                            seconds=run.seconds,
-                            warmup=run.warmup,
-                            pids={"standin": [procs[0].pid], **({"proxy": [pid]} if pid else {})},
-                            postgres=(POSTGRES_URL, datname) if side == "gateway" else None,
-                            context_tokens=tokens,
-                            max_tokens=run.tokens,
-                        )
-                    )
-                    if r.first_error:
-                        print_fn(
-                            f"  {tokens} {side} {run.name}: {r.errors} errors: {r.first_error}"
-                        )
-                    rows, commits = (
-                        (a - b for a, b in zip(gateway.batch_rows(), batches0))
-                        if side == "gateway"
-                        else (0.0, 0)
-                    )
-                    out[tokens][side][run.name] = _numbers(r, rows, commits)
-            print_fn(f"  context {tokens}: measured")
-        except Exception:
-            print_fn(f"gateway log, last lines:\n{gateway.log_tail()}")
+            self.gateway.start()
+        except BaseException:
+            self.stop()
             raise
-        finally:
-            gateway.stop()
-            for proc in procs:
-                proc.terminate()
-                proc.wait(10)
+        self.sides = {
+            "direct": (upstream_url, None),
+            "aiohttp pass-through": (f"http://127.0.0.1:{pass_port}", self.procs[1].pid),
+            "gateway": (self.gateway.url, self.gateway.proc.pid),
+        }
+
+    def pids(self, pid: int | None) -> dict[str, list[int]]:
+        return {"standin": [self.procs[0].pid], **({"proxy": [pid]} if pid else {})}
+
+    def stop(self) -> None:
+        self.gateway.stop()
+        for proc in self.procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def _rollouts(ctx: _Context, datname: str, print_fn) -> dict[str, dict[str, dict]]:
+    """{side: {run name: numbers}} of one round of rollout loads against `ctx`."""
+    out: dict[str, dict] = {side: {} for side in ctx.sides}
+    gateway = ctx.gateway
+    for concurrency, rollouts in ROLLOUTS:
+        for side, (url, pid) in ctx.sides.items():
+            if side == "direct" and concurrency != 1:
+                continue  # only the latency baseline is needed
+            keys = [[None] * (rollouts + 1) for _ in range(concurrency)]
+            if side == "gateway":
+                keys = [[gateway.new_rollout()["api_key"] for _ in h] for h in keys]
+            batches0 = gateway.batch_rows()
+            r = conversation_load.run(
+                conversation_load.ConversationSpec(
+                    url=url,
+                    rollouts=keys,
+                    turns=TURNS,
+                    context_tokens=ctx.tokens,
+                    pids=ctx.pids(pid),
+                    postgres=(POSTGRES_URL, datname) if side == "gateway" else None,
+                )
+            )
+            rows, commits = (a - b for a, b in zip(gateway.batch_rows(), batches0))
+            for phase, res in (("first", r.first), ("later", r.later)):
+                if res.first_error:
+                    print_fn(
+                        f"  {ctx.tokens} {side} c={concurrency} {phase}: {res.errors} "
+                        f"errors: {res.first_error}"
+                    )
+                commits_here = commits if side == "gateway" else 0
+                out[side][f"json c={concurrency} {phase}"] = _numbers(res, rows, commits_here)
     return out
+
+
+def _streams(ctx: _Context, datname: str, print_fn) -> dict[str, dict[str, dict]]:
+    """{side: {run name: numbers}} of the streamed runs against `ctx`."""
+    out: dict[str, dict] = {side: {} for side in ctx.sides}
+    gateway = ctx.gateway
+    for run in RUNS:
+        for side, (url, pid) in ctx.sides.items():
+            if side == "direct" and run.tokens != COMPLETION_TOKENS:
+                continue  # only the latency baselines are needed
+            keys: list[str | None] = [None] * run.concurrency
+            if side == "gateway":
+                keys = [gateway.new_rollout()["api_key"] for _ in keys]
+            batches0 = gateway.batch_rows() if side == "gateway" else (0.0, 0)
+            r = run_loadgen(
+                LoadSpec(
+                    url=url,
+                    keys=keys,
+                    stream=run.stream,
+                    unknown_turn=False,
+                    requests=100_000,
+                    seconds=run.seconds,
+                    warmup=run.warmup,
+                    pids=ctx.pids(pid),
+                    postgres=(POSTGRES_URL, datname) if side == "gateway" else None,
+                    context_tokens=ctx.tokens,
+                    max_tokens=run.tokens,
+                )
+            )
+            if r.first_error:
+                print_fn(f"  {ctx.tokens} {side} {run.name}: {r.errors} errors: {r.first_error}")
+            rows, commits = (
+                (a - b for a, b in zip(gateway.batch_rows(), batches0))
+                if side == "gateway"
+                else (0.0, 0)
+            )
+            out[side][run.name] = _numbers(r, rows, commits)
+    return out
+
+
+def _median(rounds: list[dict]) -> dict:
+    """Each number of the runs of one side and context, the median over the rounds."""
+    return {
+        name: {k: float(np.median([r[name][k] for r in rounds])) for k in rounds[0][name]}
+        for name in rounds[0]
+    }
+
+
+def measure(dsn: str, datname: str, print_fn) -> dict:
+    """{context: {side: {run name: numbers}}} for every context, side and run: the rollout loads
+    in ROUNDS rounds, the contexts taken in turn within each, and the median of each number."""
+    log_dir = Path(tempfile.mkdtemp(prefix="rolltap-bench-ctx-"))
+    contexts: list[_Context] = []
+    try:
+        for tokens in CONTEXTS:
+            contexts.append(_Context(tokens, dsn, log_dir))
+        out = {ctx.tokens: _streams(ctx, datname, print_fn) for ctx in contexts}
+        rounds: dict[int, list[dict]] = {ctx.tokens: [] for ctx in contexts}
+        for i in range(ROUNDS):
+            for ctx in contexts:
+                rounds[ctx.tokens].append(_rollouts(ctx, datname, print_fn))
+            print_fn(f"  round {i + 1} of {ROUNDS}: measured")
+        for tokens, measured in rounds.items():
+            for side in measured[0]:
+                out[tokens][side].update(_median([m[side] for m in measured]))
+        return out
+    except Exception:
+        for ctx in contexts:
+            print_fn(f"gateway log ({ctx.tokens}), last lines:\n{ctx.gateway.log_tail()}")
+        raise
+    finally:
+        for ctx in contexts:
+            ctx.stop()
 
 
 def row(side: dict, direct: dict) -> dict:
@@ -253,7 +301,8 @@ def format_table(results: dict) -> str:
     lines.append(f"{'goal':<9}{'(issue #14)':<22}" + goals)
     lines.append(growth_line(results))
     lines.append(
-        f"prompt tokens as shown, {COMPLETION_TOKENS} sampled; `!` marks a missed goal. CPU is\n"
+        f"prompt tokens as shown, {COMPLETION_TOKENS} sampled; `!` marks a missed goal; the\n"
+        f"non-streamed columns are medians of {ROUNDS} rounds. CPU is\n"
         "the proxy process's per call: a rollout's first call (1st: the whole context is new)\n"
         f"and its later ones (/call: {TURNS - 1} per rollout, each adding a reply and a turn);\n"
         "the other non-streamed columns are the later calls'. PG is Postgres's backends' per\n"

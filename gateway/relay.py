@@ -137,7 +137,7 @@ class _Call:
         self.digest = bodies.digest(raw)
         self.retry_count = 0
         self.turn: Turn | None = None  # the continuation step (chat-completions upstreams)
-        self.sent_prompt: bytes | None = None  # the turn's prompt ids as sent, JSON-encoded
+        self.sent_prompt: bytes | None = None  # the prompt ids sent, as JSON, if echoed back
         # The engine's prompt ids as JSON pieces: as it echoed them, or as they were sent.
         self.prompt_json: engine_ids.Pieces | None = None
         # For stateful protocols: response object -> what to store for later continuation.
@@ -234,10 +234,11 @@ async def relay(
         call.turn = await svc.continuer.prepare(rollout_id, call.upstream, body)
         if call.turn.prompt_ids is not None:
             call.prompt_json = call.turn.prompt_pieces or (_encode(call.turn.prompt_ids.tolist()),)
-            call.sent_prompt = engine_ids.concat(call.prompt_json)
-            body["kv_transfer_params"] = {"prompt_token_ids": msgspec.Raw(call.sent_prompt)}
+            body["kv_transfer_params"] = {"prompt_token_ids": engine_ids.items(call.prompt_json)}
             asked = call.requested
-            if not (client_ids or asked.get("logprobs") or asked.get("top_logprobs")):
+            if client_ids or asked.get("logprobs") or asked.get("top_logprobs"):
+                call.sent_prompt = engine_ids.concat(call.prompt_json)  # to know the echo by
+            else:
                 # The engine would echo the prompt the gateway just sent (at 32k tokens, 200 kB
                 # to write, read and compare per call): only the sampled ids are asked for, as
                 # logprob tokens. Its prompt token count still checks that it used these ids.
@@ -452,7 +453,7 @@ def _engine_payload(call: _Call, raw: bytes) -> dict:
         payload = _decode(raw)
         if isinstance(payload, dict) and call.capture.prompt_ids is None:
             call.capture.set_prompt(call.turn.prompt_ids)
-            _hand_over(call, payload, call.sent_prompt, call.turn.prompt_ids)
+            _hand_over(call, payload, engine_ids.items(call.prompt_json), call.turn.prompt_ids)
         return payload
     rest, span = engine_ids.split(raw)
     if span is None:
@@ -468,13 +469,14 @@ def _engine_payload(call: _Call, raw: bytes) -> dict:
         if call.capture.prompt_ids is None:
             call.prompt_json = (span,)
     call.capture.set_prompt(ids)
-    _hand_over(call, holder, span, ids)
+    _hand_over(call, holder, msgspec.Raw(span), ids)
     return payload
 
 
-def _hand_over(call: _Call, holder: dict, span: bytes, ids: np.ndarray) -> None:
-    """Puts the prompt ids where the engine's response holds them, as the protocol takes them."""
-    holder[engine_ids.KEY] = msgspec.Raw(span) if call.protocol in _PASSES_IDS else ids
+def _hand_over(call: _Call, holder: dict, text, ids: np.ndarray) -> None:
+    """Puts the prompt ids where the engine's response holds them, as the protocol takes them:
+    as their JSON `text` (encoded as it is), or as the array."""
+    holder[engine_ids.KEY] = text if call.protocol in _PASSES_IDS else ids
 
 
 async def _record_abandoned(call: _Call) -> None:

@@ -117,6 +117,7 @@ def test_pieces_are_the_array_of_all_of_them(arrays):
     assert len(pieces) <= 64
     expected = [v for values, _, _ in arrays for v in values]
     assert msgspec.json.decode(engine_ids.concat(pieces)) == expected
+    assert msgspec.json.decode(msgspec.json.encode(engine_ids.items(pieces))) == expected
 
 
 def _chunk(tokens: list, logprobs: list[float]) -> dict:
