@@ -78,6 +78,13 @@ class Turn:
             return messages[self.record.messages - 1 :]
         return msgspec.Raw(self.keys.messages_json)
 
+    def opens(self, prompt: np.ndarray, candidates: list[tuple[UUID, np.ndarray]]) -> int | None:
+        """The index among `candidates` of the parent, if `prompt` is the splice built from its
+        ids (which then open it without being compared)."""
+        if self.prompt_ids is None or prompt is not self.prompt_ids:
+            return None
+        return next((i for i, (cid, _) in enumerate(candidates) if cid == self.parent_id), None)
+
     def candidates(self, recent: list[tuple[UUID, np.ndarray]]) -> list[tuple[UUID, np.ndarray]]:
         """Delta-encoding candidates with the parent added: it is the best base of an exact
         continuation even when it dropped out of the recent calls."""

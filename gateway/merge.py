@@ -185,14 +185,15 @@ def common_prefix_len(a: Any, b: Any) -> int:
 
 
 def best_base(
-    prompt: Any, candidates: Sequence[tuple[str, Any]]
+    prompt: Any, candidates: Sequence[tuple[str, Any]], opens: int | None = None
 ) -> tuple[str | None, int]:
     """The candidate (call id, that call's prompt + completion ids) sharing the longest prefix with
     `prompt`, and that length; (None, 0) if none shares a token.
 
     Ties go to the longer candidate, then the later one in `candidates`. Candidates are tried
     longest first, and one is compared in full only if its token right after the best prefix so far
-    matches, so a linear conversation costs one comparison.
+    matches, so a linear conversation costs one comparison. `opens`: the index of a candidate
+    whose ids are known to open `prompt` (the prompt was built from them), not compared at all.
     """
     prompt = np.asarray(prompt)
     arrays = [np.asarray(ids) for _, ids in candidates]
@@ -201,9 +202,12 @@ def best_base(
     for k in order:
         if min(arrays[k].size, prompt.size) <= best:
             break
-        if arrays[k][best] != prompt[best]:
+        if k == opens:
+            shared = arrays[k].size
+        elif arrays[k][best] != prompt[best]:
             continue
-        shared = common_prefix_len(prompt, arrays[k])
+        else:
+            shared = common_prefix_len(prompt, arrays[k])
         if shared > best:
             best_id, best = candidates[k][0], shared
     return best_id, best

@@ -457,6 +457,10 @@ def test_best_base_is_the_longest_common_prefix(prompt, candidates):
         winner = max(range(len(candidates)),
                      key=lambda k: (lengths[k], len(candidates[k]), k))
         assert base == f"k{winner}"
+    # Told which candidate opens the prompt, the answer is the same without comparing it.
+    for k, c in enumerate(candidates):
+        if c and prompt[: len(c)] == c:
+            assert best_base(np.array(prompt, np.int32), named, opens=k) == (base, shared)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -136,7 +136,11 @@ def test_calls_that_extend_the_newest_share_its_array_and_keep_their_ids(data):
         else:
             pieces = (json.dumps(newest).encode(),)
         added[n] = newest
-        recent.add("r", n, np.asarray(newest, dtype=np.int32), full_json=pieces)
+        # Said to continue the newest call (then its ids are not compared), when it does.
+        supersedes = n - 1 if going_on and n and data.draw(st.booleans()) else None
+        recent.add(
+            "r", n, np.asarray(newest, dtype=np.int32), full_json=pieces, supersedes=supersedes
+        )
         entries = recent.entries("r")
         assert all(c.full.tolist() == added[c.id] for c in entries)
         assert all(

@@ -87,10 +87,12 @@ class Recording:
         except _DB_ERRORS as exc:
             raise _failure(exc) from exc
         turn = call.turn
+        opens = None
         if turn is not None:
             turn.confirm(prompt)
             candidates = turn.candidates(candidates)
-        base_id, prefix_len = best_base(prompt, candidates) if len(prompt) else (None, 0)
+            opens = turn.opens(prompt, candidates)
+        base_id, prefix_len = best_base(prompt, candidates, opens) if len(prompt) else (None, 0)
         message = cap.message()
         response_summary = {
             "message": message,

@@ -195,11 +195,13 @@ class RecentCalls:
         full_json: tuple[bytes, ...] | None = None,
         supersedes: UUID | None = None,
     ) -> None:
-        """`supersedes`: a call this one continues (its prompt holds that call's whole ids)."""
+        """`supersedes`: a call this one continues (its ids start with that call's)."""
         if rollout_id not in self._calls:
             self._calls[rollout_id] = deque()
         self._calls.move_to_end(rollout_id)
-        self._append(rollout_id, RecentCall(call_id, full_ids, keys, body, reply, full_json))
+        self._append(
+            rollout_id, RecentCall(call_id, full_ids, keys, body, reply, full_json), supersedes
+        )
         if supersedes is not None:
             self._lighten(rollout_id, supersedes)
         self._bound()
@@ -208,10 +210,10 @@ class RecentCalls:
         for call in self._calls.pop(rollout_id, ()):
             self.nbytes -= call.nbytes
 
-    def _append(self, rollout_id: UUID, call: RecentCall) -> None:
+    def _append(self, rollout_id: UUID, call: RecentCall, supersedes: UUID | None = None) -> None:
         calls = self._calls[rollout_id]
         if calls:
-            self._share(calls, call)
+            self._share(calls, call, known=calls[-1].id == supersedes)
         if len(calls) >= self.per_rollout:
             self.nbytes -= calls.popleft().nbytes
         calls.append(call)
@@ -237,14 +239,14 @@ class RecentCalls:
                     if c.shared and c.full_json is not None and _owner(c.full) is owner:
                         calls[j] = c._replace(full_json=None)  # shared: counted as 0 before too
 
-    def _share(self, calls: deque[RecentCall], new: RecentCall) -> None:
-        """When `new`'s ids extend the newest call's, that call and the calls viewing its array
-        view `new`'s instead, and keep their JSON where `new`'s pieces start with theirs. Views
-        are always older than the call whose array they view, so dropping the oldest calls first
-        never drops an array a kept call still views."""
+    def _share(self, calls: deque[RecentCall], new: RecentCall, known: bool = False) -> None:
+        """When `new`'s ids extend the newest call's (`known`: they are said to), that call and
+        the calls viewing its array view `new`'s instead, and keep their JSON where `new`'s
+        pieces start with theirs. Views are always older than the call whose array they view, so
+        dropping the oldest calls first never drops an array a kept call still views."""
         newest = calls[-1].full
         n = newest.size
-        if n > new.full.size or not np.array_equal(new.full[:n], newest):
+        if n > new.full.size or not (known or np.array_equal(new.full[:n], newest)):
             return
         owner = _owner(newest)
         for i, c in enumerate(calls):
