@@ -14,8 +14,8 @@
    resumed from the request it extends (now).
 3. Memory of the recent-calls index at 32k-token calls: before, 8 id arrays for each of up to
    4,096 rollouts and no bound in bytes; now, bounded by `--recent-calls-mib`, which also holds
-   the body and continuation keys of each rollout's 4 newest calls; calls whose ids open the
-   newest call's keep views of its array.
+   the ids' JSON and the body and continuation keys of the calls not yet continued; calls whose
+   ids open the newest call's keep views of its array and the pieces of its JSON.
 
     python -m bench.bench_storage     # this section alone; `python -m bench` runs all
 """
@@ -30,6 +30,7 @@ import msgspec
 import numpy as np
 import zstandard
 
+from gateway import engine_ids
 from gateway.continuation import RequestKeys
 from gateway.merge import best_base
 from gateway.store import bodies
@@ -175,17 +176,25 @@ def keys_cost(rounds: int) -> dict:
 
 
 def index_memory(rollouts: int = 64, budget_mib: int = 64) -> dict:
-    """The index fed `rollouts` rollouts of 8 calls of a 32k-token conversation (ids, body,
-    keys) under a `budget_mib` bound; before: what 8 id arrays of 4,096 rollouts take."""
+    """The index fed `rollouts` rollouts of 8 calls of a 32k-token conversation under a
+    `budget_mib` bound, as the gateway feeds it: each call continues the one before with 64
+    new ids (ids, their JSON, body, keys); before: what 8 id arrays of 4,096 rollouts take."""
     body = _conversation(115)
     raw = msgspec.json.encode(body)
     keys = RequestKeys(body)
     tokens = len(raw) // CHARS_PER_TOKEN
+    rng = np.random.default_rng(0)
     recent = RecentCalls(budget_mib << 20)
     peak = 0
     for r in range(rollouts):
+        ids = rng.integers(0, 150_000, tokens).astype(np.int32)
+        pieces = (msgspec.json.encode(ids.tolist()),)
         for c in range(8):
-            recent.add(r, c, np.zeros(tokens, dtype=np.int32), keys, body=raw)
+            if c:
+                new = rng.integers(0, 150_000, 64).astype(np.int32)
+                ids = np.concatenate((ids, new))
+                pieces = engine_ids.extend(pieces, msgspec.json.encode(new.tolist()))
+            recent.add(r, c, ids, keys, body=raw, full_json=pieces, supersedes=c - 1 if c else None)
             peak = max(peak, recent.nbytes)
     per_rollout = recent.nbytes / len(recent)
     return {
@@ -231,8 +240,9 @@ def run(print_fn=print) -> dict:
     print_fn(
         f"recent-calls index at {m['tokens']} tokens a call: before up to "
         f"{m['before_bytes'] / 2**30:.1f} GiB (8 id arrays x 4096 rollouts, no bound in bytes); "
-        f"now {m['per_rollout_bytes'] / 2**20:.1f} MiB a rollout (8 calls' ids as views of the "
-        f"newest call's, 4 bodies and keys), peak {m['peak_bytes'] / 2**20:.1f} MiB under a "
+        f"now {m['per_rollout_bytes'] / 2**20:.2f} MiB a rollout (8 calls' ids as views of the "
+        f"newest call's, their JSON as its pieces, its body and keys), peak "
+        f"{m['peak_bytes'] / 2**20:.1f} MiB under a "
         f"{m['budget_bytes'] >> 20} MiB bound; the default 512 MiB holds "
         f"{m['default_rollouts']} such rollouts"
     )
