@@ -143,7 +143,7 @@ class Recorder:
                 except Exception as exc:  # noqa: BLE001 - every waiter must hear; the writer lives
                     if isinstance(exc, UNAVAILABLE):
                         log.error("commit of %d call records failed: %r", len(batch), exc)
-                    else:  # asyncpg's own state errors, seen while a server shuts down
+                    else:  # not the database being away: a bug, logged with its traceback
                         log.exception("commit of %d call records failed", len(batch))
                     self.down = _reason(exc)
                     # The waiting calls hear first: dropping a connection to a frozen server

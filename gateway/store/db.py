@@ -43,6 +43,10 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
     asyncpg.AdminShutdownError,
     asyncpg.CrashShutdownError,
     asyncpg.QueryCanceledError,  # the command timeout, as the server reports it
+    # asyncpg's own protocol state errors ("cannot switch to state 12; another operation is in
+    # progress"): a pooled connection the server terminated in the middle of an operation,
+    # seen while it shuts down.
+    asyncpg.InternalClientError,
 )
 
 
