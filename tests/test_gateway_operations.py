@@ -156,16 +156,19 @@ async def _calls_of(database_url: str, rollout_ids: list[str]) -> list[asyncpg.R
 def test_sigterm_drains_open_streams(vllm_server, database_url, tmp_path, drain_s, expect):
     gw = GatewayProcess([vllm_server.url], database_url, "--drain-timeout", drain_s,
                         log_path=tmp_path / "gw.log").start()
-    rollouts = [gw.new_rollout(task_id=f"term-{i}") for i in range(16)]
-    tokens = 300 if expect == "completed" else 20000
-    streams = [OpenStream(r["openai_base_url"], r["api_key"],
-                          long_stream_body(vllm_server.model, tokens)) for r in rollouts]
-    for s in streams:
-        s.wait_started(180)
-    gw.proc.send_signal(signal.SIGTERM)
-    assert gw.proc.wait(120) == 0, gw.log_tail()
-    for s in streams:
-        s.join(30)
+    try:
+        rollouts = [gw.new_rollout(task_id=f"term-{i}") for i in range(16)]
+        tokens = 300 if expect == "completed" else 20000
+        streams = [OpenStream(r["openai_base_url"], r["api_key"],
+                              long_stream_body(vllm_server.model, tokens)) for r in rollouts]
+        for s in streams:
+            s.wait_started(180)
+        gw.proc.send_signal(signal.SIGTERM)
+        assert gw.proc.wait(120) == 0, gw.log_tail()
+        for s in streams:
+            s.join(30)
+    finally:
+        gw.stop()  # a failure above leaves no gateway streaming into the tests after it
     rows = {r["rollout_id"]: r for r in asyncio.run(
         _calls_of(database_url, [r["rollout_id"] for r in rollouts]))}
     assert len(rows) == 16, gw.log_tail()  # every call recorded, none lost
