@@ -112,17 +112,7 @@ def items(pieces: Pieces) -> list[msgspec.Raw]:
 def concat(pieces: Pieces) -> bytes:
     """The one JSON array of all `pieces`' items, in order, written in one copy without passing
     the ids through Python ints."""
-    if len(pieces) == 1:
-        return pieces[0]
-    parts: list = [b"["]
-    for piece in pieces:
-        if _EMPTY.fullmatch(piece):
-            continue
-        if len(parts) > 1:
-            parts.append(b",")
-        parts.append(memoryview(piece)[1:-1])
-    parts.append(b"]")
-    return b"".join(parts)
+    return pieces[0] if len(pieces) == 1 else msgspec.json.encode(items(pieces))
 
 
 def _leading_zero(inner: bytes) -> bool:
