@@ -66,7 +66,6 @@ _KEY_BYTES = 16
 _encode = msgspec.json.Encoder(order="sorted").encode
 _decode = msgspec.json.decode
 _encode_compact = msgspec.json.encode
-_COMMA = ord(",")
 
 
 class ContinuationRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -111,13 +110,18 @@ def _arguments(arguments: Any) -> Any:
     return arguments
 
 
-def canonical_message(message: dict, *, reasoning: bool = True) -> tuple[bytes, bool]:
-    """(canonical bytes, has media content) of one chat message."""
+def canonical_message(message: dict, *, reasoning: bool = True) -> tuple[bytes, bool, bool]:
+    """(canonical bytes, has media content, exact) of one chat message. `exact`: a message
+    Python's `==` calls equal to this one has the same canonical bytes. It does unless a value
+    that goes into them as it is (not parsed from a string) holds a number or a boolean, where
+    `==` calls 1, 1.0 and true equal, and 0.0 and -0.0."""
     texts, media = _texts(message.get("content"))
-    calls = []
+    calls, as_sent = [], []
     for call in message.get("tool_calls") or ():
         fn = call.get("function") or call
-        calls.append([fn.get("name"), _arguments(fn.get("arguments"))])
+        arguments = fn.get("arguments")
+        calls.append([fn.get("name"), _arguments(arguments)])
+        as_sent.append([fn.get("name"), None if isinstance(arguments, str) else arguments])
     thought = (message.get("reasoning_content") or message.get("reasoning")) if reasoning else None
     form = [
         message.get("role"),
@@ -127,7 +131,23 @@ def canonical_message(message: dict, *, reasoning: bool = True) -> tuple[bytes, 
         message.get("tool_call_id"),
         message.get("name"),
     ]
-    return _encode(form), media
+    exact = _no_numbers([*form[:3], as_sent, *form[4:]])
+    return _encode(form), media, exact
+
+
+def _no_numbers(value: Any) -> bool:
+    """Whether `value` (decoded JSON) holds only strings, nulls, lists and objects."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        kind = type(v)
+        if kind is list:
+            stack.extend(v)
+        elif kind is dict:
+            stack.extend(v.values())
+        elif kind is not str and v is not None:
+            return False
+    return True
 
 
 def _feed(h: Any, data: bytes) -> None:
@@ -155,22 +175,28 @@ class RequestKeys:
 
     Rolling: given the keys of earlier requests of the rollout (`earlier`), the hashing resumes
     from the longest one whose messages open this request's, so only the new messages are
-    hashed. Whether they open it is decided on the compact JSON of the messages (one C-level
-    encode and a memcmp), which tells apart values Python's `==` would not (1, 1.0, true), so
-    the keys are exactly the ones hashing from scratch gives. (Bodies come from JSON, so they
-    hold no NaN or infinity, the only values that encode alike and hash differently.)"""
+    hashed. Whether they open it is decided by `==` on the decoded messages (C-level, a memcmp
+    per long string), and only from an earlier request whose messages are all `exact` (see
+    `canonical_message`): so the keys are exactly the ones hashing from scratch gives.
 
-    __slots__ = ("context", "keys", "positions", "media", "_end", "_encoded", "_count", "_open")
+    The messages are kept, not copied or encoded: bodies are not modified once decoded."""
+
+    __slots__ = (
+        "context", "keys", "positions", "media", "_end", "_messages", "_exact", "_size", "_json",
+        "_open",
+    )  # fmt: skip
 
     def __init__(self, body: dict, earlier: Iterable[RequestKeys] = ()) -> None:
         h = _context_hash(body)
         self.context = h.digest()
         messages = body.get("messages") or ()
-        self._encoded = _encode_compact(messages)
-        self._count = len(messages)
+        self._messages = messages
+        self._json: bytes | None = None
         self.keys: list[bytes] = []
         self.positions: list[int] = []
         self.media = False
+        self._exact = True
+        self._size = 0
         start = 0
         parent = self._resumable(earlier)
         if parent is not None:
@@ -178,14 +204,17 @@ class RequestKeys:
             self.keys = list(parent.keys)
             self.positions = list(parent.positions)
             self.media = parent.media
-            start = parent._count
+            self._size = parent._size
+            start = len(parent._messages)
             if parent._open and start < len(messages):  # its final assistant turn is a reply now
                 self.keys.append(h.copy().digest())
                 self.positions.append(start - 1)
         for i in range(start, len(messages)):
             message = messages[i]
-            data, media = canonical_message(message)
+            data, media, exact = canonical_message(message)
             self.media |= media
+            self._exact &= exact
+            self._size += len(data)
             _feed(h, data)
             if message.get("role") == "assistant" and i + 1 < len(messages):
                 self.keys.append(h.copy().digest())
@@ -195,35 +224,30 @@ class RequestKeys:
 
     def _resumable(self, earlier: Iterable[RequestKeys]) -> RequestKeys | None:
         """The earlier request with the most messages that open this one's, in the same context."""
+        messages = self._messages
         best = None
         for other in earlier:
-            n = other._count
-            if not n or other.context != self.context or n > self._count:
+            n = len(other._messages)
+            if not n or not other._exact or other.context != self.context or n > len(messages):
                 continue
-            if best is not None and n <= best._count:
+            if best is not None and n <= len(best._messages):
                 continue
-            # `[m0,…,mk]` opens `[m0,…,mk,…]`: every JSON value ends where its text ends.
-            shared = len(other._encoded) - 1
-            if n == self._count:
-                same = other._encoded == self._encoded
-            else:
-                same = (
-                    self._encoded.startswith(other._encoded[:shared])
-                    and self._encoded[shared] == _COMMA
-                )
-            if same:
+            if messages[:n] == other._messages:
                 best = other
         return best
 
-    @property
     def messages_json(self) -> bytes:
-        """The request's messages as compact JSON (msgspec's encoding, as sent upstream)."""
-        return self._encoded
+        """The request's messages as compact JSON (msgspec's encoding, as sent upstream), encoded
+        when first asked for: an exact continuation sends and renders only the new messages."""
+        if self._json is None:
+            self._json = _encode_compact(self._messages)
+        return self._json
 
     @property
     def nbytes(self) -> int:
-        """Memory kept for a later request's rolling keys (roughly)."""
-        return len(self._encoded) + 24 * len(self.keys) + 256
+        """Memory kept for a later request's rolling keys (roughly: the messages' canonical
+        size, which is about their JSON's)."""
+        return self._size + (len(self._json) if self._json else 0) + 24 * len(self.keys) + 256
 
     def reply_keys(self, reply: dict) -> list[bytes]:
         """Keys under which a later request finds the call that got this request and returned

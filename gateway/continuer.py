@@ -76,7 +76,7 @@ class Turn:
         call). Otherwise all of them, as encoded for the keys."""
         if self.prompt_ids is not None:
             return messages[self.record.messages - 1 :]
-        return msgspec.Raw(self.keys.messages_json)
+        return msgspec.Raw(self.keys.messages_json())
 
     def opens(self, prompt: np.ndarray, candidates: list[tuple[UUID, np.ndarray]]) -> int | None:
         """The index among `candidates` of the parent, if `prompt` is the splice built from its

@@ -62,6 +62,11 @@ class Around(NamedTuple):
         return self.tail == other.tail and a[len(a) - n :] == b[len(b) - n :]
 
 
+# A request's messages as compact JSON (as msgspec encodes them), made when a render needs
+# them: the caller may have them at hand, or encode them only for the renders that send them.
+Encoded = Callable[[], bytes]
+
+
 def render_body(body: dict, messages: list[dict] | msgspec.Raw, *, ending: str) -> dict:
     """A render request for `messages` with `body`'s template settings, ending as `body` ends
     (`ending="request"`: generation prompt or continued final message), with the generation
@@ -185,13 +190,12 @@ class EngineRenderer:
         return span
 
     async def around(
-        self, upstream: str, body: dict, upto: int, messages_json: bytes | None = None
+        self, upstream: str, body: dict, upto: int, encoded: Encoded | None = None
     ) -> Around | None:
         """`body` rendered around its message `upto - 1` (the reply it continues);
-        `messages_json`: its messages already encoded (compact, as msgspec encodes them)."""
+        `encoded`: its messages' JSON, if the caller has it or makes it cheaper."""
         messages = body["messages"]
-        if messages_json is None:
-            messages_json = _encode(messages)
+        messages_json = _encode(messages) if encoded is None else encoded()
         turn_json = opening_messages(messages_json, messages, upto)
         turn, full = await side_by_side(
             self._span(upstream, render_body(body, msgspec.Raw(turn_json), ending="none")),
@@ -712,7 +716,7 @@ class CheckedRenderer:
             return found
 
     async def around(
-        self, upstream: str, body: dict, upto: int, messages_json: bytes | None = None
+        self, upstream: str, body: dict, upto: int, encoded: Encoded | None = None
     ) -> Around | None:
         context = context_key(body)
         try:
@@ -721,7 +725,7 @@ class CheckedRenderer:
             fmt = None
         key = (upstream, context)
         trusted = self._check.trusted(key)
-        engine = functools.partial(self._engine.around, upstream, body, upto, messages_json)
+        engine = functools.partial(self._engine.around, upstream, body, upto, encoded)
         if fmt is None or trusted is False:
             return await engine()
         try:

@@ -27,7 +27,14 @@ import hashlib
 import msgspec
 
 from gateway.continuation import context_key
-from gateway.render import Around, CheckedRenderer, Crosscheck, EngineRenderer, RenderError
+from gateway.render import (
+    Around,
+    CheckedRenderer,
+    Crosscheck,
+    Encoded,
+    EngineRenderer,
+    RenderError,
+)
 
 _FRAME_ROLES = ("system", "developer")
 WINDOWS = ("reply", "frame")
@@ -83,12 +90,12 @@ class WindowedRenderer:
         upstream: str,
         body: dict,
         upto: int,
-        messages_json: bytes | None = None,
+        encoded: Encoded | None = None,
         context: bytes | None = None,
     ) -> Around | None:
         """As `EngineRenderer.around`; `context`: `context_key(body)` if the caller has it
         (hashing a harness's tools takes about 100 µs at 80 kB of them)."""
-        whole = functools.partial(self._inner.around, upstream, body, upto, messages_json)
+        whole = functools.partial(self._inner.around, upstream, body, upto, encoded)
         messages = body["messages"]
         where = (upstream, context or context_key(body), shape(messages, upto))
         reference = None
@@ -124,5 +131,9 @@ class WindowedRenderer:
         if kind == "reply":
             narrow.pop("tools", None)
         return functools.partial(
-            self._inner.around, upstream, narrow, len(kept) - (len(messages) - upto), _encode(part)
+            self._inner.around,
+            upstream,
+            narrow,
+            len(kept) - (len(messages) - upto),
+            functools.partial(_encode, part),
         )

@@ -93,6 +93,17 @@ def test_shared_ends_do_not_overlap(middle, head, tail):
     assert bodies.apply(child, bodies.delta(child, parent)) == parent
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=60), st.binary(max_size=60), st.binary(max_size=3))
+def test_shared_ends_are_the_longest(a, b, common):
+    # The halving search finds exactly the longest common prefix and (disjoint) suffix.
+    a, b = common + a + common, common + b + common
+    pre = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    rest = min(len(a), len(b)) - pre
+    suf = next((i for i in range(rest) if a[-1 - i] != b[-1 - i]), rest)
+    assert bodies._ends(a, b) == (pre, suf)
+
+
 def test_a_delta_stores_only_what_the_child_adds():
     # Random text: what zstd alone could not shrink much.
     rng = random.Random(0)

@@ -207,6 +207,38 @@ def test_rolling_keys_resume_from_the_request_they_extend(monkeypatch):
     assert rolled.keys == RequestKeys(second).keys and rolled.positions == [1]
 
 
+def test_rolling_keys_never_resume_across_values_python_calls_equal(monkeypatch):
+    # 1, 1.0 and true compare equal in Python and hash apart: no resuming over them.
+    def request(name, more=()):
+        return {"model": "m", "messages": [
+            {"role": "user", "content": "a", "name": name},
+            {"role": "assistant", "content": "b"}, *more]}  # fmt: skip
+
+    for before, after in ((1, 1.0), (True, 1), (0.0, -0.0), ([1], [True])):
+        first, second = request(before), request(after, [{"role": "user", "content": "c"}])
+        assert first["messages"][0] == second["messages"][0]
+        rolled = RequestKeys(second, [RequestKeys(first)])
+        assert rolled.keys == RequestKeys(second).keys
+
+
+def test_numbers_outside_the_keyed_fields_do_not_stop_resuming(monkeypatch):
+    # A tool call's `index` (some harnesses send it back) is not part of a message's key.
+    call = {"index": 0, "id": "c1", "function": {"name": "f", "arguments": '{"n": 1}'}}
+    first = {"model": "m", "messages": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [call]}]}  # fmt: skip
+    second = {"model": "m", "messages": [
+        *first["messages"], {"role": "tool", "tool_call_id": "c1", "content": "r"}]}  # fmt: skip
+    earlier = RequestKeys(first)
+    hashed = []
+    original = cont.canonical_message
+    monkeypatch.setattr(
+        cont, "canonical_message", lambda m, **kw: hashed.append(m) or original(m, **kw)
+    )
+    rolled = RequestKeys(second, [earlier])
+    assert hashed == [second["messages"][-1]]
+    assert rolled.keys == RequestKeys(second).keys
+
+
 @settings(max_examples=300, deadline=None)
 @given(conversations(), st.data())
 def test_an_edit_before_a_reply_cuts_the_continuation_there(conv, data):
@@ -462,7 +494,7 @@ class _Engine:
     async def render(self, upstream, body):
         return [1, 2, 3]
 
-    async def around(self, upstream, body, upto, messages_json=None):
+    async def around(self, upstream, body, upto, encoded=None):
         return Around((1,), [2, 3], "engine")
 
 

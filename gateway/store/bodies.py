@@ -71,16 +71,17 @@ def unwhole(stored: bytes) -> bytes:
 
 def _shared(a: bytes, b: bytes, limit: int, at_end: bool) -> int:
     """Length of the common prefix (or suffix) of `a` and `b`, at most `limit`, by halving:
-    each step is one C-level slice comparison, so the cost is a few memcmps over the body
-    rather than a Python loop over its bytes."""
+    each step is one C-level comparison of `a` against a view into `b` (no copies), so the cost
+    is a few memcmps over the body rather than a Python loop over its bytes."""
+    view = memoryview(b)
     lo, hi = 0, limit
     # Invariant: the first (last) `lo` bytes agree; the answer is in [lo, hi].
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if at_end:
-            same = a[len(a) - mid : len(a) - lo] == b[len(b) - mid : len(b) - lo]
+            same = a.endswith(view[len(b) - mid : len(b) - lo], 0, len(a) - lo)
         else:
-            same = a[lo:mid] == b[lo:mid]
+            same = a.startswith(view[lo:mid], lo)
         if same:
             lo = mid
         else:
