@@ -13,9 +13,12 @@ carries the whole context as text; each later one resends the conversation with 
 a new turn of about 64 tokens appended, so the gateway continues it exactly (rolling keys,
 renders, the parent's ids), stores its body as a delta, and is not sent back the prompt it
 sent (the sampled ids come as logprob tokens).
-First and later calls are measured apart, in ROUNDS rounds that take the contexts in turn; each
-number is the median of its rounds. Streams repeat one request (their per-chunk cost does not
-depend on the conversation).
+First and later calls are measured apart, in ROUNDS rounds that take the contexts in turn, in
+the opposite order every other round; each number is the median of its rounds. How a later
+call's CPU grows with the context is a ratio of two contexts' CPU measured in one round, the
+median over the rounds: these shared machines change speed by half between minutes, which a
+ratio of two medians taken minutes apart would measure instead. Streams repeat one request
+(their per-chunk cost does not depend on the conversation).
 
 Postgres CPU is its backends' user + system time from /proc over the measured phase (the
 gateway's pool connections), divided by the calls recorded in it.
@@ -78,8 +81,9 @@ RUNS = (
 ROLLOUTS = ((1, 60), (64, 4))
 TURNS = 5
 # Rounds of the rollout loads, each context in turn: a context's numbers are their medians.
-# Per-call CPU at c=64 moved by a third between single runs on this 2-core machine.
-ROUNDS = 3
+# Per-call CPU at c=64 moved by a third between single runs on this 2-core machine. An even
+# number, so that each context runs as often early in a round as late.
+ROUNDS = 4
 
 
 def _per_call(seconds: float, r: LoadResult) -> float:
@@ -218,9 +222,14 @@ def _median(rounds: list[dict]) -> dict:
     }
 
 
-def measure(dsn: str, datname: str, print_fn) -> dict:
-    """{context: {side: {run name: numbers}}} for every context, side and run: the rollout loads
-    in ROUNDS rounds, the contexts taken in turn within each, and the median of each number."""
+class Measured(msgspec.Struct):
+    results: dict  # {context: {side: {run name: numbers}}}, each number its rounds' median
+    rounds: dict  # {context: [{side: {run name: numbers}} of each round]}
+
+
+def measure(dsn: str, datname: str, print_fn) -> Measured:
+    """Every context, side and run: the rollout loads in ROUNDS rounds, the contexts taken in
+    turn within each (reversed every other round), and the median of each number."""
     log_dir = Path(tempfile.mkdtemp(prefix="rolltap-bench-ctx-"))
     contexts: list[_Context] = []
     try:
@@ -229,13 +238,13 @@ def measure(dsn: str, datname: str, print_fn) -> dict:
         out = {ctx.tokens: _streams(ctx, datname, print_fn) for ctx in contexts}
         rounds: dict[int, list[dict]] = {ctx.tokens: [] for ctx in contexts}
         for i in range(ROUNDS):
-            for ctx in contexts:
+            for ctx in contexts if i % 2 == 0 else contexts[::-1]:
                 rounds[ctx.tokens].append(_rollouts(ctx, datname, print_fn))
             print_fn(f"  round {i + 1} of {ROUNDS}: measured")
         for tokens, measured in rounds.items():
             for side in measured[0]:
                 out[tokens][side].update(_median([m[side] for m in measured]))
-        return out
+        return Measured(out, rounds)
     except Exception:
         for ctx in contexts:
             print_fn(f"gateway log ({ctx.tokens}), last lines:\n{ctx.gateway.log_tail()}")
@@ -282,7 +291,8 @@ COLUMNS = (  # key, header, digits, goal
 )
 
 
-def format_table(results: dict) -> str:
+def format_table(measured: Measured) -> str:
+    results = measured.results
     head = f"{'context':<9}{'proxy':<22}" + "".join(f"{h:>17}" for _, h, _, _ in COLUMNS)
     lines = [head, "-" * len(head)]
     for tokens, sides in results.items():
@@ -299,7 +309,7 @@ def format_table(results: dict) -> str:
         for key, _, _, goal in COLUMNS
     )
     lines.append(f"{'goal':<9}{'(issue #14)':<22}" + goals)
-    lines.append(growth_line(results))
+    lines.append(growth_line(measured.rounds))
     lines.append(
         f"prompt tokens as shown, {COMPLETION_TOKENS} sampled; `!` marks a missed goal; the\n"
         f"non-streamed columns are medians of {ROUNDS} rounds. CPU is\n"
@@ -317,19 +327,28 @@ def format_table(results: dict) -> str:
 GOAL_GROWTH = 1.5  # a later call's CPU at the longest context over the shortest's
 
 
-def growth_line(results: dict) -> str:
+def growth(rounds: dict) -> dict[str, list[float]]:
+    """{load: each round's later-call gateway CPU at the longest context over the shortest's}."""
+    def cpu(measured: dict, load: str) -> float:
+        return measured["gateway"][f"json {load} later"]["cpu_us"]
+
+    short, long = rounds[min(rounds)], rounds[max(rounds)]
+    return {
+        load: [cpu(a, load) / cpu(b, load) for a, b in zip(long, short)]
+        for load in ("c=1", "c=64")
+    }
+
+
+def growth_line(rounds: dict) -> str:
     """How a later call's gateway CPU grows with the context, against the goal."""
-    short, long = min(results), max(results)
     cells = []
-    for key, name in (("cpu_c1", "c=1"), ("cpu_c64", "c=64")):
-        ratio = (
-            row(results[long]["gateway"], results[long]["direct"])[key]
-            / row(results[short]["gateway"], results[short]["direct"])[key]
-        )
-        cells.append(f"{name} {ratio:.2f}×{'' if ratio <= GOAL_GROWTH else ' !'}")
+    for load, ratios in growth(rounds).items():
+        ratio = float(np.median(ratios))
+        each = "/".join(f"{r:.2f}" for r in ratios)
+        cells.append(f"{load} {ratio:.2f}×{'' if ratio <= GOAL_GROWTH else ' !'} ({each})")
     return (
-        f"later-call CPU at {long} tokens over {short}: {', '.join(cells)}   "
-        f"(goal ≤ {GOAL_GROWTH:g}×)"
+        f"later-call CPU at {max(rounds)} tokens over {min(rounds)}, the median of the rounds' "
+        f"ratios (each round's):\n  {'   '.join(cells)}   (goal ≤ {GOAL_GROWTH:g}×)"
     )
 
 
@@ -379,9 +398,13 @@ def prompt_ids_table() -> str:
 def run(dsn: str, datname: str, print_fn) -> dict:
     started = time.monotonic()
     print_fn(prompt_ids_table())
-    results = measure(dsn, datname, print_fn)
-    print_fn(format_table(results))
+    measured = measure(dsn, datname, print_fn)
+    print_fn(format_table(measured))
     print_fn(f"(contexts table: {time.monotonic() - started:.0f} s)")
     return {
-        str(k): {s: row(v[s], v["direct"]) for s in v if s != "direct"} for k, v in results.items()
+        **{
+            str(k): {s: row(v[s], v["direct"]) for s in v if s != "direct"}
+            for k, v in measured.results.items()
+        },
+        "growth": {load: float(np.median(r)) for load, r in growth(measured.rounds).items()},
     }
