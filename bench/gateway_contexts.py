@@ -402,7 +402,7 @@ def run(dsn: str, datname: str, print_fn) -> dict:
     print_fn(format_table(measured))
     print_fn(f"(contexts table: {time.monotonic() - started:.0f} s)")
     return {
-        **{
+        "rows": {
             str(k): {s: row(v[s], v["direct"]) for s in v if s != "direct"}
             for k, v in measured.results.items()
         },

@@ -207,7 +207,7 @@ def test_rolling_keys_resume_from_the_request_they_extend(monkeypatch):
     assert rolled.keys == RequestKeys(second).keys and rolled.positions == [1]
 
 
-def test_rolling_keys_never_resume_across_values_python_calls_equal(monkeypatch):
+def test_rolling_keys_never_resume_across_values_python_calls_equal():
     # 1, 1.0 and true compare equal in Python and hash apart: no resuming over them.
     def request(name, more=()):
         return {"model": "m", "messages": [
