@@ -99,6 +99,11 @@ class Metrics:
             "rolltap_recorder_batch_size", "call records per group commit",
             buckets=_BATCH_BUCKETS, registry=r,
         )
+        self.request_decodes = Counter(
+            "rolltap_request_decodes",
+            "model call bodies decoded, whole or resumed from an earlier request's",
+            ["protocol", "how"], registry=r,
+        )
         self.rejected = Counter(
             "rolltap_rejected", "model calls refused before reaching a replica", ["reason"],
             registry=r,
@@ -149,6 +154,12 @@ class Metrics:
             ("lat", protocol, route), lambda: (self.request_seconds.labels(protocol, route),)
         )
         timing.observe(seconds)
+
+    def request_decoded(self, protocol: str, resumed: bool) -> None:
+        how = "resumed" if resumed else "whole"
+        self._child(
+            ("decode", protocol, how), lambda: (self.request_decodes.labels(protocol, how),)
+        )[0].inc()
 
     def call_recorded(self, rec: CallRecord) -> None:
         p = rec.protocol

@@ -21,6 +21,7 @@ from gateway.constraints import CAPTURE_OFF, constraints
 from gateway.continuer import Turn
 from gateway.protocols.errors import GatewayError
 from gateway.protocols.normalize import normalize_messages
+from gateway.protocols.resumable import Layout
 from gateway.services import Services
 from gateway.store import bodies, values
 from gateway.store import calls as calls_store
@@ -135,6 +136,7 @@ class _Call:
         # A retry of an earlier call (same body, or the SDK's retry header) makes the merge
         # mark the earlier attempt abandoned.
         self.digest = bodies.digest(raw)
+        self.layout: Layout | None = None  # where the body's messages lie, for the next call
         self.retry_count = 0
         self.turn: Turn | None = None  # the continuation step (chat-completions upstreams)
         self.sent_prompt: bytes | None = None  # the prompt ids sent, as JSON, if echoed back
@@ -189,7 +191,9 @@ async def relay(
     """Serve one harness call through `proto` (a module of gateway.protocols)."""
     svc: Services = request.app["services"]
     svc.recording.admit()
-    req = proto.parse_request(raw)
+    recent = svc.recent.entries(rollout_id) or ()
+    req, layout = proto.parse(raw, [c.request for c in reversed(recent) if c.request is not None])
+    svc.metrics.request_decoded(proto.NAME, layout is not None and layout.resumed > 0)
     stateful = hasattr(proto, "stored_state")  # protocols with server-side conversations
     if stateful:
         prev_id = proto.previous_id(req)
@@ -202,6 +206,7 @@ async def relay(
     await svc.check_model(ctx.model)
     call = _Call(svc, rollout_id, proto.NAME, raw, request.headers.get("User-Agent"))
     call.retry_count = retry_count(request.headers)
+    call.layout = layout
     call.model = ctx.model
     if "messages" in body:
         body["messages"] = normalize_messages(body["messages"])

@@ -102,6 +102,8 @@ def test_shared_ends_are_the_longest(a, b, common):
     rest = min(len(a), len(b)) - pre
     suf = next((i for i in range(rest) if a[-1 - i] != b[-1 - i]), rest)
     assert bodies._ends(a, b) == (pre, suf)
+    for known in range(pre + 1):  # a prefix known to be shared changes nothing
+        assert bodies._ends(a, b, known) == (pre, suf)
 
 
 def test_a_delta_stores_only_what_the_child_adds():

@@ -18,7 +18,9 @@ import asyncpg
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.protocols import resumable
 from gateway.render import CheckedRenderer, EngineRenderer, LocalTemplate
 from gateway.render_window import WINDOWS, WindowedRenderer
 from gateway.store import bodies
@@ -92,11 +94,13 @@ def _chat_turn(client, model, messages, stream: bool) -> dict:
     return msg
 
 
-def chat_conversation(gw, model, turns=TURNS, stream=False, system="You are an agent."):
+def chat_conversation(
+    gw, model, turns=TURNS, stream=False, system="You are an agent.", task="Build it."
+):
     """A tool-using conversation with the openai SDK; returns (rollout, requests' messages)."""
     rollout = gw.new_rollout(task_id="continuation")
     client = _chat_client(rollout)
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Build it."}]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
     requests = []
     for turn in range(turns):
         requests.append(list(messages))
@@ -221,7 +225,7 @@ def test_continued_calls_record_the_ids_the_engine_sampled(
             assert call["prompt_ids"][: len(full(prev))] == full(prev)
 
 
-def anthropic_conversation(gw, model):
+def anthropic_conversation(gw, model, task="Build it."):
     """A tool-using conversation with the anthropic SDK (`/v1/messages`); returns the rollout."""
     rollout = gw.new_rollout(task_id="continuation-anthropic")
     client = anthropic.Anthropic(
@@ -236,7 +240,7 @@ def anthropic_conversation(gw, model):
         "input_schema": TOOL_PARAMETERS,
         "strict": True,
     }
-    messages = [{"role": "user", "content": "Build it."}]
+    messages = [{"role": "user", "content": task}]
     for turn in range(TURNS):
         reply = client.messages.create(
             model=model,
@@ -266,7 +270,7 @@ def anthropic_conversation(gw, model):
     return rollout
 
 
-def responses_conversation(gw, model, chained=False):
+def responses_conversation(gw, model, chained=False, task="Build it."):
     """A tool-using conversation with the openai SDK's `responses.create` (function_call and
     function_call_output items), sending the whole conversation each time or, `chained`, only
     the new items with `previous_response_id`; returns the rollout."""
@@ -281,7 +285,7 @@ def responses_conversation(gw, model, chained=False):
             "strict": True,
         }
     ]
-    items: list = [{"role": "user", "content": "Build it."}]
+    items: list = [{"role": "user", "content": task}]
     previous = None
     for turn in range(TURNS):
         resp = client.responses.create(
@@ -308,7 +312,7 @@ def responses_conversation(gw, model, chained=False):
 
 
 CONVERSATIONS = {
-    "chat": lambda gw, model: chat_conversation(gw, model)[0],
+    "chat": lambda gw, model, **kw: chat_conversation(gw, model, **kw)[0],
     "anthropic": anthropic_conversation,
     "responses": responses_conversation,
 }
@@ -322,6 +326,39 @@ def test_anthropic_conversation_is_one_sequence(gateway, vllm_server):
 def test_responses_conversation_is_one_sequence(gateway, vllm_server, chained):
     rollout = responses_conversation(gateway, vllm_server.model, chained)
     assert_one_exact_sequence(gateway, rollout)
+
+
+# A task pasted whole, as agents' first prompts carry: bodies past resumable.MIN_BYTES.
+LONG_TASK = "Build it.\n" + "".join(f"    step_{i} = compute({i})\n" for i in range(1000))
+
+
+def _decodes(gw, protocol: str, how: str) -> float:
+    text = gw.admin.get("/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "rolltap_request_decodes_total" and sample.labels == {
+                "protocol": protocol,
+                "how": how,
+            }:
+                return sample.value
+    return 0.0
+
+
+@pytest.mark.parametrize("protocol", list(CONVERSATIONS))
+def test_long_conversations_are_decoded_from_the_previous_request(
+    gateway, vllm_server, tiny_tokenizer, protocol
+):
+    # Each later body is decoded as the previous one's messages plus its own new ones: the
+    # conversation still continues exactly, and each new turn reaches the engine.
+    assert len(LONG_TASK) > resumable.MIN_BYTES
+    before = _decodes(gateway, protocol, "resumed")
+    rollout = CONVERSATIONS[protocol](gateway, vllm_server.model, task=LONG_TASK)
+    calls = assert_one_exact_sequence(gateway, rollout)
+    assert _decodes(gateway, protocol, "resumed") - before == TURNS - 1
+    for turn, call in enumerate(calls[1:]):
+        prompt = tiny_tokenizer.decode(call["prompt_ids"])
+        assert prompt.count("step_999 = compute(999)") == 1
+        assert all(f"ok {t}" in prompt for t in range(turn + 1))
 
 
 def test_interleaved_sub_agents_each_continue_their_own_parent(gateway, vllm_server):

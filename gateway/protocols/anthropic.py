@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -35,6 +36,7 @@ from gateway import engine_ids
 from gateway.protocols import segments
 from gateway.protocols.errors import GatewayError, bad_request, invalid_field, text_only
 from gateway.protocols.normalize import normalize_messages
+from gateway.protocols.resumable import Decoder, Layout
 from gateway.protocols.segments import REASONING, TEXT, TOOL_CALL, Accumulator, Segment
 from gateway.protocols.tools import chat_tool, chat_tool_choice, check_unique_names
 
@@ -418,25 +420,37 @@ def _chat_tool_choice(
     return chat, False if getattr(choice, "disable_parallel_tool_use", None) else None
 
 
-def _parse(raw: bytes, body_type: type[CountTokensBody]) -> Request:
+_MESSAGES = Decoder("messages", MessagesBody)
+_COUNT_TOKENS = Decoder("messages", CountTokensBody)
+
+
+def _parse(
+    raw: bytes, decoder: Decoder, earlier: Iterable[Layout] = ()
+) -> tuple[Request, Layout | None]:
     try:
-        body = msgspec.json.decode(raw, type=body_type)
+        body, layout = decoder.decode(raw, earlier)
     except msgspec.DecodeError as err:
         raise _decode_error(err) from None
     messages, prefill = _chat_messages(body)
     tools = _chat_tools(body.tools)
     tool_choice, parallel = _chat_tool_choice(body.tool_choice, tools)
-    return Request(body, messages, tools, tool_choice, parallel, prefill)
+    return Request(body, messages, tools, tool_choice, parallel, prefill), layout
 
 
 def parse_request(raw: bytes) -> Request:
     """Decode and validate a `POST /v1/messages` body."""
-    return _parse(raw, MessagesBody)
+    return parse(raw)[0]
+
+
+def parse(raw: bytes, earlier: Iterable[Layout] = ()) -> tuple[Request, Layout | None]:
+    """`parse_request`, decoding from an `earlier` request's layout where it can, and the body's
+    own layout for the requests after it."""
+    return _parse(raw, _MESSAGES, earlier)
 
 
 def parse_count_tokens(raw: bytes) -> Request:
     """Decode and validate a `POST /v1/messages/count_tokens` body (no max_tokens needed)."""
-    return _parse(raw, CountTokensBody)
+    return _parse(raw, _COUNT_TOKENS)[0]
 
 
 def _template_fields(req: Request) -> dict[str, Any]:

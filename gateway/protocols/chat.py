@@ -4,6 +4,7 @@ checks the request and hides the capture fields the client did not ask for."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import msgspec
 
@@ -18,6 +19,7 @@ from gateway.protocols.openai_common import (
     render_error,
     strip_capture,
 )
+from gateway.protocols.resumable import Layout
 from gateway.protocols.tools import check_object_schema
 
 NAME = "chat"
@@ -26,6 +28,7 @@ __all__ = [
     "NAME",
     "UPSTREAM_PATH",
     "Context",
+    "parse",
     "parse_request",
     "to_upstream",
     "from_upstream",
@@ -85,7 +88,12 @@ class Context(msgspec.Struct):
 
 
 def parse_request(raw: bytes) -> dict:
-    body, shape = decode_checked(raw, _Shape)
+    return parse(raw)[0]
+
+
+def parse(raw: bytes, earlier: Iterable[Layout] = ()) -> tuple[dict, Layout | None]:
+    """The checked body, and its messages' layout for the requests after it."""
+    body, shape, layout = decode_checked(raw, _Shape, earlier=earlier)
     if not shape.messages:
         raise GatewayError(400, "`messages` must hold at least one message", param="messages")
     open_calls: set[str | None] = set()  # ids of the latest assistant turn's tool calls
@@ -105,7 +113,7 @@ def parse_request(raw: bytes) -> dict:
         if tool.function.parameters is not None:
             check_object_schema(tool.function.parameters, f"tools[{i}].function.parameters")
     check_single_choice(body)
-    return body
+    return body, layout
 
 
 def context(body: dict, echo: Echo) -> Context:

@@ -22,6 +22,7 @@ __all__ = [
     "NAME",
     "UPSTREAM_PATH",
     "Context",
+    "parse",
     "parse_request",
     "to_upstream",
     "from_upstream",
@@ -43,8 +44,13 @@ class _Shape(msgspec.Struct):
     stream_options: dict | None = None
 
 
+def parse(raw: bytes, earlier: object = ()) -> tuple[dict, None]:
+    """The checked body; a prompt has no messages to decode from an earlier request's."""
+    return parse_request(raw), None
+
+
 def parse_request(raw: bytes) -> dict:
-    body, shape = decode_checked(
+    body, shape, _ = decode_checked(
         raw, _Shape, " (one prompt per request: a string or a list of token ids)"
     )
     if not shape.prompt:

@@ -3,9 +3,12 @@ the capture fields the gateway added to a request before the client sees the res
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 
 from gateway.protocols.errors import GatewayError
+from gateway.protocols.resumable import Decoder, Layout
 
 encode = msgspec.json.encode
 
@@ -62,17 +65,24 @@ def strip_capture(obj: dict, echo: Echo) -> dict:
     return obj
 
 
-def decode_checked(raw: bytes, shape: type, hint: str = "") -> tuple[dict, object]:
-    """The body as a dict (passed on to the engine as it is) and its checked `shape`: the fields
-    that must hold for the engine to accept it, with msgspec's path to any wrong one."""
+_DECODER = Decoder("messages")
+
+
+def decode_checked(
+    raw: bytes, shape: type, hint: str = "", earlier: Iterable[Layout] = ()
+) -> tuple[dict, object, Layout | None]:
+    """The body as a dict (passed on to the engine as it is), its checked `shape` (the fields
+    that must hold for the engine to accept it, with msgspec's path to any wrong one) and the
+    layout of its messages (see gateway/protocols/resumable.py), decoded from an `earlier`
+    request's where it can be."""
     try:
-        body = msgspec.json.decode(raw)
+        body, layout = _DECODER.decode(raw, earlier)
     except msgspec.DecodeError as exc:
         raise GatewayError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "request body must be a JSON object")
     try:
-        return body, msgspec.convert(body, shape)
+        return body, msgspec.convert(body, shape), layout
     except msgspec.ValidationError as exc:
         raise GatewayError(400, f"invalid request: {exc}{hint}") from None
 

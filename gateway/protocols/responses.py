@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import Any, Literal
 
 import msgspec
@@ -28,6 +28,7 @@ import msgspec
 from gateway.protocols import segments
 from gateway.protocols.errors import GatewayError, bad_request, invalid_field, text_only
 from gateway.protocols.openai_common import render_error
+from gateway.protocols.resumable import Decoder, Layout
 from gateway.protocols.segments import REASONING, TEXT, TOOL_CALL, Accumulator, Segment
 from gateway.protocols.tools import chat_tool, chat_tool_choice, check_unique_names
 
@@ -38,6 +39,7 @@ __all__ = [
     "UPSTREAM_PATH",
     "Context",
     "Request",
+    "parse",
     "parse_request",
     "to_upstream",
     "from_upstream",
@@ -227,9 +229,19 @@ def _tag_messages(items: Any) -> None:
                 it["type"] = "message"
 
 
+_INPUT = Decoder("input")
+
+
 def parse_request(raw: bytes) -> Request:
+    return parse(raw)[0]
+
+
+def parse(raw: bytes, earlier: Iterable[Layout] = ()) -> tuple[Request, Layout | None]:
+    """The validated request, decoding its input items from an `earlier` request's layout where
+    it can, and the body's own layout for the requests after it. (Items are tagged in place;
+    tagging a tagged item again changes nothing, so shared items stay as a fresh decoding.)"""
     try:
-        obj = msgspec.json.decode(raw)
+        obj, layout = _INPUT.decode(raw, earlier)
     except msgspec.DecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -238,7 +250,7 @@ def parse_request(raw: bytes) -> Request:
     body = _convert(obj, Body, "")
     chat_tools, namespaced, dropped = _tools(body.tools)
     choice = _tool_choice(body.tool_choice, chat_tools)
-    return Request(body, chat_tools, choice, namespaced, dropped)
+    return Request(body, chat_tools, choice, namespaced, dropped), layout
 
 
 # -- tools ---------------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ class Recording:
             response_id = response_summary["response_id"]
         reply_keys = turn.keys.reply_keys(message) if turn and status == "ok" else None
         summary = _encode(response_summary)
-        request_body, request_base = self._request_body(rollout_id, base_id, call.raw)
+        request_body, request_base = self._request_body(rollout_id, base_id, call)
         rec = calls_store.CallRecord(
             id=call.id,
             rollout_id=rollout_id,
@@ -163,22 +163,22 @@ class Recording:
                 if call.prompt_json is None
                 else engine_ids.extend(call.prompt_json, _encode(completion.tolist())),
                 supersedes=base_id if _continues(base_id, prefix_len, candidates) else None,
+                request=None if call.layout is None else call.layout.kept(),
             )
         if reply_keys:
             self._continuer.remember(rollout_id, call.id, reply_keys)
         return rec
 
-    def _request_body(
-        self, rollout_id, base_id, raw: bytes
-    ) -> tuple[bytes | None, uuid.UUID | None]:
+    def _request_body(self, rollout_id, base_id, call) -> tuple[bytes | None, uuid.UUID | None]:
         """(stored body, the call it is a delta against): the token base's body is the parent
         (the same conversation, one turn earlier); whole when that body is not at hand."""
         if not self._record_bodies:
             return None, None
         base = self._recent.find(rollout_id, base_id) if base_id is not None else None
         if base is None or base.body is None:
-            return bodies.whole(raw), None
-        return bodies.delta(base.body, raw, base.reply), base_id
+            return bodies.whole(call.raw), None
+        known = 0 if call.layout is None else call.layout.shared_with(base.body)
+        return bodies.delta(base.body, call.raw, base.reply, known), base_id
 
 
 def _continues(base_id, prefix_len: int, candidates) -> bool:

@@ -32,6 +32,7 @@ from uuid import UUID
 import xxhash
 import zstandard
 
+from gateway.byte_ends import shared
 from gateway.store.tokens import parents_first
 
 LEVEL = 3  # fast, and JSON conversations still shrink 5-10x
@@ -69,31 +70,12 @@ def unwhole(stored: bytes) -> bytes:
     return _plain()[1].decompress(stored)
 
 
-def _shared(a: bytes, b: bytes, limit: int, at_end: bool) -> int:
-    """Length of the common prefix (or suffix) of `a` and `b`, at most `limit`, by halving:
-    each step is one C-level comparison of `a` against a view into `b` (no copies), so the cost
-    is a few memcmps over the body rather than a Python loop over its bytes."""
-    view = memoryview(b)
-    lo, hi = 0, limit
-    # Invariant: the first (last) `lo` bytes agree; the answer is in [lo, hi].
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if at_end:
-            same = a.endswith(view[len(b) - mid : len(b) - lo], 0, len(a) - lo)
-        else:
-            same = a.startswith(view[lo:mid], lo)
-        if same:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _ends(parent: bytes, child: bytes) -> tuple[int, int]:
-    """(shared prefix, shared suffix) lengths; the suffix never overlaps the prefix."""
+def _ends(parent: bytes, child: bytes, known: int = 0) -> tuple[int, int]:
+    """(shared prefix, shared suffix) lengths; the suffix never overlaps the prefix. `known`: a
+    prefix length they are known to share."""
     shortest = min(len(parent), len(child))
-    pre = _shared(parent, child, shortest, at_end=False)
-    return pre, _shared(parent, child, shortest - pre, at_end=True)
+    pre = shared(parent, child, shortest, known=known)
+    return pre, shared(parent, child, shortest - pre, at_end=True)
 
 
 def _dict(content: bytes) -> zstandard.ZstdCompressionDict | None:
@@ -102,11 +84,11 @@ def _dict(content: bytes) -> zstandard.ZstdCompressionDict | None:
     return zstandard.ZstdCompressionDict(content, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
 
 
-def delta(parent: bytes, child: bytes, reply: bytes = b"") -> bytes:
+def delta(parent: bytes, child: bytes, reply: bytes = b"", known: int = 0) -> bytes:
     """`child` stored against `parent`: `apply(parent, delta(parent, child, r), r) == child`.
     `reply`: what the parent call returned (its stored response summary), which the child
-    usually sends back."""
-    pre, suf = _ends(parent, child)
+    usually sends back. `known`: a prefix length the two are known to share."""
+    pre, suf = _ends(parent, child, known)
     d = _dict(parent[pre : len(parent) - suf] + reply)
     cctx = _plain()[0] if d is None else zstandard.ZstdCompressor(level=LEVEL, dict_data=d)
     return _HEADER.pack(pre, suf) + cctx.compress(child[pre : len(child) - suf])

@@ -123,6 +123,9 @@ class RecentCall(NamedTuple):
     full_json: tuple[bytes, ...] | None = None
     # `full` is the start of a newer call's array, and `full_json` of its pieces (counted there).
     shared: bool = False
+    # Where the request's conversation lies in its body (gateway/protocols/resumable): a later
+    # request of the rollout is decoded from here. Its items are the keys' messages.
+    request: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +136,13 @@ class RecentCall(NamedTuple):
             + len(self.reply)
             + (0 if self.shared or self.full_json is None else sum(map(len, self.full_json)))
             + (self.keys.nbytes if self.keys is not None else 0)
+            + (0 if self.request is None else _layout_nbytes(self.request, self.body))
         )
+
+
+def _layout_nbytes(layout: Any, body: bytes | None) -> int:
+    """A layout's offsets, and its body unless it is the body counted already."""
+    return 8 * len(layout.ends) + (0 if layout.raw is body else len(layout.raw))
 
 
 class RecentCalls:
@@ -143,10 +152,11 @@ class RecentCalls:
     whole body stored), never correctness.
 
     Bounded by bytes (`max_bytes`): the least recently used rollouts are dropped first; a
-    rollout whose calls alone exceed the bound is not kept at all. A call's body and keys are
-    as large as its conversation again, and needed only of the call a conversation's next
-    request extends: a call continued by a newer one (`supersedes`) drops them (a retry of the
-    newer call finds them there), and only the newest `heavy` calls of a rollout keep them.
+    rollout whose calls alone exceed the bound is not kept at all. A call's body, its layout
+    and its keys are as large as its conversation again, and needed only of the call a
+    conversation's next request extends: a call continued by a newer one (`supersedes`) drops
+    them (a retry of the newer call finds them there), and only the newest `heavy` calls of a
+    rollout keep them.
 
     A call's ids usually open the next call's (a conversation goes on): the older calls then
     keep views of the newest call's array, and the pieces of its JSON, rather than their own,
@@ -194,13 +204,16 @@ class RecentCalls:
         reply: bytes = b"",
         full_json: tuple[bytes, ...] | None = None,
         supersedes: UUID | None = None,
+        request: Any = None,
     ) -> None:
         """`supersedes`: a call this one continues (its ids start with that call's)."""
         if rollout_id not in self._calls:
             self._calls[rollout_id] = deque()
         self._calls.move_to_end(rollout_id)
         self._append(
-            rollout_id, RecentCall(call_id, full_ids, keys, body, reply, full_json), supersedes
+            rollout_id,
+            RecentCall(call_id, full_ids, keys, body, reply, full_json, request=request),
+            supersedes,
         )
         if supersedes is not None:
             self._lighten(rollout_id, supersedes)
@@ -222,14 +235,19 @@ class RecentCalls:
             self._lighten(rollout_id, calls[-self.heavy - 1].id)
 
     def _lighten(self, rollout_id: UUID, call_id: UUID) -> None:
-        """Drops a call's body and keys, and its JSON unless a newer call's pieces hold it; the
-        calls whose JSON is the start of its pieces then drop theirs too (counted nowhere)."""
+        """Drops a call's body, layout and keys, and its JSON unless a newer call's pieces hold
+        it; the calls whose JSON is the start of its pieces then drop theirs too (counted
+        nowhere)."""
         calls = self._calls[rollout_id]
         for i, old in enumerate(calls):
             if old.id != call_id or i == len(calls) - 1:
                 continue
             light = old._replace(
-                keys=None, body=None, reply=b"", full_json=old.full_json if old.shared else None
+                keys=None,
+                body=None,
+                reply=b"",
+                full_json=old.full_json if old.shared else None,
+                request=None,
             )
             self.nbytes += light.nbytes - old.nbytes
             calls[i] = light

@@ -1,0 +1,171 @@
+"""Request bodies decoded from an earlier request's layout (gateway/protocols/resumable.py):
+always exactly what decoding the body whole gives, and resumed where a conversation goes on."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.protocols import anthropic
+from gateway.protocols.resumable import Decoder
+
+_text = st.text(st.characters(codec="utf-8"), max_size=40)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool"]), "content": _text}
+)
+# How harnesses write JSON: msgspec/Go compact, Python's default separators, indented.
+_DUMPS = {
+    "compact": msgspec.json.encode,
+    "python": lambda o: json.dumps(o).encode(),
+    "indented": lambda o: json.dumps(o, indent=2, ensure_ascii=False).encode(),
+}
+
+
+def _body(messages, head, tail) -> dict:
+    return {**head, "messages": messages, **tail}
+
+
+def _check(decoder: Decoder, raw: bytes, earlier) -> tuple:
+    """decode(raw, earlier), asserting it equals decoding `raw` whole (or fails as it does)."""
+    try:
+        expected = msgspec.json.decode(raw, type=decoder._whole.type)
+    except msgspec.DecodeError as exc:
+        with pytest.raises(type(exc)):
+            decoder.decode(raw, earlier)
+        return None, None
+    body, layout = decoder.decode(raw, earlier)
+    assert body == expected
+    if layout is not None:
+        assert layout.items is (body["messages"] if isinstance(body, dict) else body.messages)
+        ends = [layout.raw.find(b"[", layout.opens)]
+        assert ends[0] == layout.opens
+        for item, end in zip(layout.items, layout.ends):
+            assert msgspec.json.decode(layout.raw[ends[-1] + 1 : end].lstrip(b" \t\r\n,")) == (
+                msgspec.to_builtins(item)
+            )
+            ends.append(end)
+    return body, layout
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(_message, min_size=1, max_size=6),
+    st.lists(_message, max_size=4),
+    st.dictionaries(st.sampled_from(["model", "temperature"]), _text, max_size=2),
+    st.dictionaries(st.sampled_from(["tools", "stream"]), _text, max_size=2),
+    st.dictionaries(st.sampled_from(["tools", "stream"]), _text, max_size=2),
+    st.sampled_from(sorted(_DUMPS)),
+)
+def test_a_conversation_going_on_decodes_as_whole(first, added, head, tail, new_tail, style):
+    decoder = Decoder("messages", min_bytes=0)
+    dumps = _DUMPS[style]
+    _, layout = _check(decoder, dumps(_body(first, head, tail)), [])
+    assert layout is not None
+    body, later = _check(decoder, dumps(_body(first + added, head, new_tail)), [layout])
+    if added:
+        # Resumed: the earlier items are the very objects decoded before (all but the last,
+        # whose end is where the new bytes start).
+        assert all(a is b for a, b in zip(body["messages"][: len(first) - 1], layout.items))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(_message, min_size=1, max_size=5),
+    st.binary(max_size=30),
+    st.integers(0, 400),
+    st.integers(0, 400),
+)
+def test_any_bytes_after_a_shared_prefix_decode_as_whole(messages, junk, cut, drop):
+    # Whatever follows the shared bytes (cut anywhere, garbage, a truncated body): the result
+    # or the error is decoding the body whole.
+    decoder = Decoder("messages", min_bytes=0)
+    raw = msgspec.json.encode({"model": "m", "messages": messages, "stream": True})
+    _, layout = _check(decoder, raw, [])
+    cut = min(cut, len(raw))
+    child = raw[:cut] + junk + raw[min(cut + drop, len(raw)) :]
+    _check(decoder, child, [layout])
+
+
+@pytest.mark.parametrize(
+    "child",
+    [
+        # A later duplicate key wins: its array is decoded, not the earlier one plus the new.
+        b'{"model":"m","messages":[{"role":"user","content":"a"},{"role":"user","content":"b"}]'
+        b',"messages":[{"role":"user","content":"z"}]}',
+        # A trailing comma: invalid, whatever the shared items.
+        b'{"model":"m","messages":[{"role":"user","content":"a"},]}',
+        # The same items again, nothing new: decoded whole.
+        b'{"model":"m","messages":[{"role":"user","content":"a"}],"x":1}',
+        # The shared item gains a field: it differs at its very last byte.
+        b'{"model":"m","messages":[{"role":"user","content":"a","x":1},{"role":"user"}]}',
+        # The array ends and another field holds the new item.
+        b'{"model":"m","messages":[{"role":"user","content":"a"}],"more":[{"role":"user"}]}',
+    ],
+)
+def test_tricky_children_decode_as_whole(child):
+    decoder = Decoder("messages", min_bytes=0)
+    _, layout = _check(decoder, b'{"model":"m","messages":[{"role":"user","content":"a"}]}', [])
+    _check(decoder, child, [layout])
+
+
+def test_an_earlier_body_with_duplicate_keys_lays_out_the_array_decoded():
+    decoder = Decoder("messages", min_bytes=0)
+    raw = b'{"messages":[{"role":"user","content":"x"}],"messages":[{"role":"user","content":"a"}]}'
+    _, layout = _check(decoder, raw, [])
+    child = raw[:-2] + b',{"role":"user","content":"b"}]}'
+    body, _ = _check(decoder, child, [layout])
+    assert body["messages"][0] is layout.items[0]
+
+
+def test_typed_bodies_resume_too():
+    decoder = Decoder("messages", anthropic.MessagesBody, min_bytes=0)
+    turns = [{"role": "user", "content": "hi " * 50}, {"role": "assistant", "content": "yes"}]
+    first = {"model": "m", "max_tokens": 5, "messages": turns[:1], "system": "s"}
+    _, layout = _check(decoder, msgspec.json.encode(first), [])
+    second = {**first, "messages": [*turns, {"role": "user", "content": "go on"}]}
+    body, _ = _check(decoder, msgspec.json.encode(second), [layout])
+    assert body.messages[0] is layout.items[0]
+
+
+def test_short_bodies_are_decoded_whole():
+    decoder = Decoder("messages")
+    _, layout = decoder.decode(b'{"messages":[{"role":"user","content":"a"}]}')
+    assert layout is None
+
+
+@pytest.mark.parametrize(
+    ("parent", "child"),
+    [
+        # A number is not self-delimiting: `1` is a prefix of `12`.
+        (b'{"messages":[1]}', b'{"messages":[12,3]}'),
+        (b'{"messages":[1, 2]}', b'{"messages":[1, 23, 4]}'),
+        (b'{"messages":[true]}', b'{"messages":[true , false]}'),
+    ],
+)
+def test_items_that_are_prefixes_of_others_decode_as_whole(parent, child):
+    decoder = Decoder("messages", min_bytes=0)
+    _, layout = _check(decoder, parent, [])
+    _check(decoder, child, [layout])
+
+
+def test_the_earlier_request_sharing_the_most_items_is_resumed():
+    # Interleaved sub-agents: the newest request is another conversation's.
+    decoder = Decoder("messages", min_bytes=0)
+
+    def raw(*texts):
+        return msgspec.json.encode({"messages": [{"role": "user", "content": t} for t in texts]})
+
+    _, mine = _check(decoder, raw("task", "a", "b"), [])
+    _, other = _check(decoder, raw("task", "x"), [])
+    for earlier in ([other, mine], [mine, other]):
+        body, layout = _check(decoder, raw("task", "a", "b", "c"), earlier)
+        assert layout.resumed == 3 and body["messages"][1] is mine.items[1]
+        assert layout.shared_with(mine.raw) == mine.ends[2]
+        assert layout.shared_with(other.raw) == layout.kept().shared_with(mine.raw) == 0
+    # An edited history: the items before the edit are resumed.
+    body, layout = _check(decoder, raw("task", "A", "b", "c"), [mine, other])
+    assert layout.resumed == 1
