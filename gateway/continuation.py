@@ -289,12 +289,15 @@ def splice(
     turn_end: Sequence[int],
     tail: Sequence[int],
     suffix: Sequence[int],
+    spare: int = 0,
 ) -> tuple[np.ndarray | None, str | None]:
     """(prompt ids, None) for an exact continuation, or (None, reason) when there is none.
 
     `parent_full`: the parent's prompt + sampled ids. `turn_end`: the last tokens of the render
     of the request up to and including the parent's reply; `tail`: the render of the whole
-    request past that point (see render.Around). `suffix`: the template's assistant turn end."""
+    request past that point (see render.Around). `suffix`: the template's assistant turn end.
+    `spare`: ids of room left after the prompt in its array (`ids.base`), where the call's own
+    sampled ids can follow it without copying the prompt again (see `Turn.full`)."""
     n = len(suffix)
     if not n:
         return None, TEMPLATE_PROBE
@@ -302,14 +305,12 @@ def splice(
         return None, TURN_END
     glue = suffix[1:] if parent_full.size and parent_full[-1] == suffix[0] else suffix
     # int32, as the capture keeps prompt ids: a wider array would be copied again there.
-    ids = np.concatenate(
-        (
-            parent_full.astype(np.int32, copy=False),
-            np.asarray(glue, dtype=np.int32),
-            np.asarray(tail, dtype=np.int32),
-        )
-    )
-    return ids, None
+    at, end = parent_full.size, parent_full.size + len(glue)
+    room = np.empty(end + len(tail) + spare, dtype=np.int32)
+    room[:at] = parent_full
+    room[at:end] = glue
+    room[end : end + len(tail)] = tail
+    return room[: end + len(tail)], None
 
 
 def counts(records: Iterable[dict | None]) -> dict:

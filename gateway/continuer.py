@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 _encode = msgspec.json.encode
 
+# Sampled ids a spliced prompt's array has room for after it (see `Turn.full`): most replies
+# of an agent are shorter; a longer one is copied. 8 kB a call at most, not counted as kept.
+_SPARE = 2048
+
 _PROBE_USER = {"role": "user", "content": "x"}
 _PROBE_EMPTY_REPLY = {"role": "assistant", "content": ""}
 
@@ -38,7 +42,9 @@ _PROBE_EMPTY_REPLY = {"role": "assistant", "content": ""}
 class Turn:
     """One call's continuation: its request keys, what was decided, and the ids to send."""
 
-    __slots__ = ("keys", "record", "parent_id", "parent_full", "prompt_ids", "prompt_pieces")
+    __slots__ = (
+        "keys", "record", "parent_id", "parent_full", "prompt_ids", "prompt_pieces", "_extended"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -56,6 +62,23 @@ class Turn:
         self.prompt_ids = prompt_ids
         # `prompt_ids` as JSON pieces (the parent's, then the new ids), if the parent's are at hand
         self.prompt_pieces = prompt_pieces
+        self._extended = False
+
+    def full(self, prompt: np.ndarray, completion: np.ndarray) -> np.ndarray:
+        """`prompt` + `completion`. The splice's prompt is followed by them in the room its array
+        left (once: the array then holds them): a 32k-token prompt is not copied again."""
+        room = prompt.base
+        n, m = prompt.size, completion.size
+        if (
+            prompt is self.prompt_ids
+            and not self._extended
+            and isinstance(room, np.ndarray)
+            and room.size >= n + m
+        ):
+            self._extended = True
+            room[n : n + m] = completion
+            return room[: n + m]
+        return np.concatenate((prompt, completion))
 
     def confirm(self, prompt: np.ndarray) -> None:
         """Checks the engine's prompt against the splice: an engine that rendered the messages
@@ -202,7 +225,9 @@ class Continuer:
         render_ms = round((time.perf_counter() - started) * 1000, 3)
         if around is None:
             return plain("fallback", cont.REWRITES_HISTORY, render_ms=render_ms)
-        ids, reason = cont.splice(parent_full, around.turn_end, around.tail, suffix)
+        cap = body.get("max_tokens") or body.get("max_completion_tokens")
+        spare = min(cap, _SPARE) if isinstance(cap, int) and cap > 0 else _SPARE
+        ids, reason = cont.splice(parent_full, around.turn_end, around.tail, suffix, spare)
         if ids is None:
             return plain(
                 "fallback", reason, render_ms=render_ms, rendered_by=around.by, window=around.window

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from gateway import continuation as cont
 from gateway.continuation import RequestKeys, assistant_suffix, counts, splice
+from gateway.continuer import Turn
 from gateway.render import (
     Around,
     CheckedRenderer,
@@ -359,6 +360,25 @@ def test_splice_extends_the_parent_with_the_turn_end_and_the_tail(
     assert reason is None
     glue = suffix[1:] if ended else suffix
     assert spliced.tolist() == parent_full.tolist() + glue + tail
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids, ids, ids, st.integers(0, 8))
+def test_sampled_ids_follow_the_spliced_prompt_in_its_room(parent, tail, sampled, spare):
+    # prompt + sampled ids, whether they fit the room the splice left or not, and only once:
+    # a second call cannot overwrite ids an earlier result holds.
+    prompt, _ = splice(np.asarray(parent, dtype=np.int32), [99], tail, (99,), spare)
+    turn = Turn(RequestKeys({}), cont.ContinuationRecord(path="exact"), prompt_ids=prompt)
+    completion = np.asarray(sampled, dtype=np.int32)
+    full = turn.full(prompt, completion)
+    assert full.tolist() == parent + [99] + tail + sampled
+    assert np.shares_memory(full, prompt) == (len(sampled) <= spare)
+    again = turn.full(prompt, completion[::-1].copy())
+    assert full.tolist() == parent + [99] + tail + sampled
+    assert again.tolist() == parent + [99] + tail + sampled[::-1]
+    # Not the splice's prompt (the engine's own): always a copy.
+    other = prompt.copy()
+    assert not np.shares_memory(Turn(RequestKeys({}), turn.record).full(other, completion), other)
 
 
 @settings(max_examples=200, deadline=None)

@@ -155,7 +155,7 @@ class Recording:
             self._recent.add(
                 rollout_id,
                 call.id,
-                np.concatenate((prompt, completion)),
+                turn.full(prompt, completion) if turn else np.concatenate((prompt, completion)),
                 turn.keys if turn else None,
                 body=call.raw if self._record_bodies else None,
                 reply=summary if self._record_bodies else b"",
