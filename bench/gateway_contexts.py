@@ -395,9 +395,43 @@ def prompt_ids_table() -> str:
     return "\n".join(lines)
 
 
+def body_decode_table() -> str:
+    """The cost of decoding a later call's request body, by context: whole (before), whole with
+    its layout kept (a rollout's first call), and resumed from the previous request's layout
+    (gateway/protocols/resumable.py)."""
+    from bench.bench_gateway import context_request
+    from gateway.protocols.resumable import Decoder
+
+    decoder = Decoder("messages")
+    base = msgspec.json.decode(standin.REQUEST.read_bytes())
+    lines = [f"{'request body':<14}{'whole (before)':>16}{'whole + layout':>16}{'resumed':>12}"]
+    for tokens in CONTEXTS:
+        request = context_request(base, tokens)
+        messages = request["messages"]
+        earlier = msgspec.json.encode(request)
+        reply = {"role": "assistant", "content": "Done: the tests pass."}
+        later = msgspec.json.encode(
+            {**request, "messages": [*messages, reply, conversation_load.new_turn(0, 1)]}
+        )
+        _, layout = decoder.decode(earlier)
+        times = _best_us(
+            [
+                (msgspec.json.decode, later),
+                (decoder.decode, later),
+                (decoder.decode, later, [layout] if layout else []),
+            ]
+        )
+        lines.append(
+            f"{tokens:<14}{times[0]:>13.0f} µs{times[1]:>13.0f} µs{times[2]:>9.0f} µs"
+        )
+    lines.append("(a later call's body; best of 15 interleaved rounds)")
+    return "\n".join(lines)
+
+
 def run(dsn: str, datname: str, print_fn) -> dict:
     started = time.monotonic()
     print_fn(prompt_ids_table())
+    print_fn(body_decode_table())
     measured = measure(dsn, datname, print_fn)
     print_fn(format_table(measured))
     print_fn(f"(contexts table: {time.monotonic() - started:.0f} s)")

@@ -243,6 +243,12 @@ class RequestKeys:
             self._json = _encode_compact(self._messages)
         return self._json
 
+    def holds(self, items: list) -> bool:
+        """Whether `items` are the very messages these keys keep (the normalised list is
+        another list of the same messages): the last one tells."""
+        messages = self._messages
+        return bool(items) and bool(messages) and items[-1] is messages[-1]
+
     @property
     def nbytes(self) -> int:
         """Memory kept for a later request's rolling keys (roughly: the messages' canonical

@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 import uuid
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway import engine_ids
+from gateway.continuation import RequestKeys
+from gateway.protocols.normalize import normalize_messages
+from gateway.protocols.resumable import Decoder
 from gateway.store.tokens import (
     RecentCall,
     RecentCalls,
@@ -177,3 +181,19 @@ def test_a_conversation_keeps_one_array_for_all_its_calls():
     assert [c.shared for c in entries] == [True] * 4 + [False]
     assert all(c.full.base is entries[-1].full for c in entries[:-1])
     assert recent.nbytes == 5 * RecentCall(0, ids(0)).nbytes + 5000 * 4
+
+
+def test_a_layout_counts_its_body_once_and_items_the_keys_do_not_hold():
+    raw = msgspec.json.encode({"messages": [{"role": "user", "content": "x" * 1000}]})
+    _, layout = Decoder("messages", min_bytes=0).decode(raw)
+    keys = RequestKeys({"messages": normalize_messages(layout.items)})
+    bare = RecentCall(0, ids(10), keys, body=raw).nbytes
+    # Chat: the body is the layout's, the items the keys' messages: only the offsets more.
+    assert RecentCall(0, ids(10), keys, body=raw, request=layout).nbytes == bare + 8
+    # A translating protocol keeps other messages in its keys: its items count too.
+    other = RequestKeys({"messages": [dict(m) for m in layout.items]})
+    assert RecentCall(0, ids(10), other, body=raw, request=layout).nbytes == (
+        RecentCall(0, ids(10), other, body=raw).nbytes + 8 + len(raw)
+    )
+    # Bodies not recorded: the layout's body counts in its place.
+    assert RecentCall(0, ids(10), keys, request=layout).nbytes == bare + 8

@@ -136,13 +136,17 @@ class RecentCall(NamedTuple):
             + len(self.reply)
             + (0 if self.shared or self.full_json is None else sum(map(len, self.full_json)))
             + (self.keys.nbytes if self.keys is not None else 0)
-            + (0 if self.request is None else _layout_nbytes(self.request, self.body))
+            + (0 if self.request is None else _layout_nbytes(self.request, self.body, self.keys))
         )
 
 
-def _layout_nbytes(layout: Any, body: bytes | None) -> int:
-    """A layout's offsets, and its body unless it is the body counted already."""
-    return 8 * len(layout.ends) + (0 if layout.raw is body else len(layout.raw))
+def _layout_nbytes(layout: Any, body: bytes | None, keys: Any) -> int:
+    """A layout's offsets, its body unless that is counted as the call's body already, and its
+    decoded items (about as large as their JSON) unless they are the messages the keys hold:
+    a protocol that translates its messages to chat keeps both."""
+    n = 8 * len(layout.ends) + (0 if layout.raw is body else len(layout.raw))
+    shared = keys is not None and keys.holds(layout.items)
+    return n if shared else n + len(layout.raw)
 
 
 class RecentCalls:
