@@ -57,17 +57,39 @@ def check_admin(headers, admin_key: str) -> None:
 
 
 class RolloutKeys:
-    """Key -> running rollout, cached briefly so the hot path rarely touches the database.
+    """Key -> running rollout, cached so the hot path rarely touches the database.
 
-    Ending a rollout on this gateway drops its entry at once; on other gateways an entry lives
-    at most `ttl_s`, bounding how long an ended key still works there. An entry never outlives
-    the rollout's deadline.
+    An agent's calls are seconds apart (its tools run in between), so an entry must outlive
+    that gap to be of use. Ending a rollout drops its entry at once on this gateway and, told
+    through Postgres (`ended`), on every other one; while this gateway is not listening
+    (`listening(False)`: it could miss that news) entries live at most `ttl_s`, otherwise up to
+    `listening_ttl_s`. An entry never outlives the rollout's deadline, and a lookup that an end
+    may have overtaken is cached for `ttl_s` only. A call that slips through still is not
+    recorded: the database refuses calls of an ended rollout.
     """
 
-    def __init__(self, pool: asyncpg.Pool, ttl_s: float = 2.0) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, ttl_s: float = 2.0, listening_ttl_s: float = 60.0
+    ) -> None:
         self._pool = pool
         self._ttl_s = ttl_s
+        self._listening_ttl_s = listening_ttl_s
+        self._listening = False
+        self._ends = 0  # ends heard of so far: a lookup that saw this change is suspect
         self._cache: dict[bytes, tuple[UUID, float]] = {}
+        self._digests: dict[UUID, bytes] = {}  # the cache's keys by rollout, to forget one
+
+    def listening(self, yes: bool) -> None:
+        """Whether ends of rollouts are heard of now. Either way the cache starts afresh: ends
+        may have been missed while they were not."""
+        self._listening = yes
+        self._cache.clear()
+        self._digests.clear()
+
+    def ended(self, rollout_id: UUID) -> None:
+        """A rollout ended (on any gateway)."""
+        self._ends += 1
+        self.forget(rollout_id)
 
     async def rollout_for(self, headers) -> UUID:
         key = presented_key(headers)
@@ -83,6 +105,7 @@ class RolloutKeys:
         hit = self._cache.get(digest)
         if hit is not None and hit[1] > now:
             return hit[0]
+        ends, listening = self._ends, self._listening
         async with self._pool.acquire() as conn:
             row = await rollouts_store.by_key_hash(conn, digest)
         if row is None:
@@ -108,13 +131,17 @@ class RolloutKeys:
             )
         if len(self._cache) > 100_000:
             self._cache.clear()
+            self._digests.clear()
         # Cached no longer than the deadline: the key stops working the moment it passes,
         # not at the next sweep.
-        ttl = self._ttl_s if left is None else min(self._ttl_s, left)
+        trusted = listening and self._listening and ends == self._ends
+        ttl = self._listening_ttl_s if trusted else self._ttl_s
+        ttl = ttl if left is None else min(ttl, left)
         self._cache[digest] = (row["id"], now + ttl)
+        self._digests[row["id"]] = digest
         return row["id"]
 
     def forget(self, rollout_id: UUID) -> None:
-        for digest, (rid, _) in list(self._cache.items()):
-            if rid == rollout_id:
-                del self._cache[digest]
+        digest = self._digests.pop(rollout_id, None)
+        if digest is not None:
+            self._cache.pop(digest, None)

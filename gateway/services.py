@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from uuid import UUID
 
 import asyncpg
 
@@ -12,7 +13,7 @@ from gateway.auth import RolloutKeys
 from gateway.config import GatewayConfig
 from gateway.continuer import Continuer
 from gateway.metrics import Metrics
-from gateway.policy import PolicyFollower
+from gateway.notifications import Notifications
 from gateway.protocols.errors import GatewayError
 from gateway.recording import Recorder, Recording
 from gateway.render import (
@@ -23,6 +24,7 @@ from gateway.render import (
     Unsupported,
 )
 from gateway.render_window import WindowedRenderer
+from gateway.store import rollouts as rollouts_store
 from gateway.store.tokens import RecentCalls
 from gateway.upstream import Upstreams
 
@@ -67,7 +69,12 @@ class Services:
             pool, self.recorder, self.recent, self.continuer, config.record_bodies
         )
         self.policy_version = 0
-        self.policy = PolicyFollower(pool, self._set_policy_version)
+        self.notifications = Notifications(pool)
+        self.notifications.on(rollouts_store.POLICY_CHANNEL, self._policy_notified)
+        self.notifications.on_connect(self._read_policy_version)
+        self.notifications.on(rollouts_store.ENDED_CHANNEL, self._rollout_ended)
+        self.notifications.on_connect(self._listening_for_ends)
+        self.notifications.on_lost(lambda: self.keys.listening(False))
         # Model calls in flight here (each with an `abort(reason)`), for back-pressure and for
         # ending them in the protocol's terms when a shutdown's drain time is up.
         self.calls: set = set()
@@ -87,7 +94,7 @@ class Services:
     async def start(self) -> None:
         await self.upstreams.open()
         self.recorder.start()
-        await self.policy.start()
+        await self.notifications.start()
         self._models = await self.upstreams.served_models()
         self._models_checked = time.monotonic()
         if isinstance(self.renderer, CheckedRenderer):
@@ -98,13 +105,28 @@ class Services:
                     except (RenderError, TimeoutError) as exc:  # checked again on first use
                         log.warning("local template self-check on %s failed: %r", url, exc)
 
+    def _policy_notified(self, payload: str) -> None:
+        self._set_policy_version(int(payload))
+
+    async def _read_policy_version(self, conn: asyncpg.Connection) -> None:
+        self._set_policy_version(await rollouts_store.policy_version(conn))
+
+    async def _listening_for_ends(self, conn: asyncpg.Connection) -> None:
+        self.keys.listening(True)
+
+    def _rollout_ended(self, payload: str) -> None:
+        """Another gateway (or this one) ended a rollout: its key and calls are not kept."""
+        rollout_id = UUID(payload)
+        self.keys.ended(rollout_id)
+        self.recent.forget(rollout_id)
+
     def _set_policy_version(self, version: int) -> None:
         if version != self.policy_version:
             log.info("policy version %d -> %d", self.policy_version, version)
         self.policy_version = version
 
     async def close(self) -> None:
-        await self.policy.stop()
+        await self.notifications.stop()
         await self.recorder.close()
         await self.upstreams.close()
 

@@ -3,11 +3,13 @@ rollout; the admin API takes only the admin key; unknown keys are rejected, neve
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
 
-from tests.support.gateway import ADMIN_KEY
+from tests.support.gateway import ADMIN_KEY, GatewayProcess
 
 
 def test_unknown_key_is_rejected_and_nothing_created(gateway, vllm_server):
@@ -74,3 +76,29 @@ def test_admin_key_is_not_a_rollout_key(gateway, vllm_server):
                    json={"model": vllm_server.model,
                          "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 401
+
+
+def test_a_rollout_ended_on_one_gateway_is_refused_at_once_on_another(
+    vllm_server, database_url, tmp_path
+):
+    # Keys are cached for long (an agent's calls are seconds apart); the end of a rollout
+    # reaches every gateway through Postgres, not when a cache entry runs out.
+    one = GatewayProcess([vllm_server.url], database_url, log_path=tmp_path / "gw1.log").start()
+    two = GatewayProcess([vllm_server.url], database_url, log_path=tmp_path / "gw2.log").start()
+    try:
+        rollout = one.new_rollout()
+        headers = {"Authorization": f"Bearer {rollout['api_key']}"}
+        assert httpx.get(two.url + "/v1/models", headers=headers).status_code == 200
+        time.sleep(2.5)
+        # Cached afresh just now: a 2-second cache would take the key ~2 s past the end.
+        assert httpx.get(two.url + "/v1/models", headers=headers).status_code == 200
+        assert one.finish(rollout["rollout_id"], 1.0).status_code == 200
+        started = time.monotonic()
+        while httpx.get(two.url + "/v1/models", headers=headers).status_code == 200:
+            assert time.monotonic() - started < 1.0, "the other gateway still takes the key"
+            time.sleep(0.02)
+        r = httpx.get(two.url + "/v1/models", headers=headers)
+        assert r.status_code == 401 and "has ended" in r.json()["error"]["message"]
+    finally:
+        one.stop()
+        two.stop()

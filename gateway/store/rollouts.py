@@ -74,6 +74,11 @@ async def get(conn: asyncpg.Connection, rollout_id: UUID) -> asyncpg.Record | No
     )
 
 
+# A rollout ended through the admin API (the payload is its id). Rollouts
+# past their deadline are not announced: no gateway trusts a key past its rollout's deadline.
+ENDED_CHANNEL = "rolltap_rollout_ended"
+
+
 async def finish(
     conn: asyncpg.Connection,
     rollout_id: UUID,
@@ -81,10 +86,12 @@ async def finish(
     reward: float | None,
     metrics: dict | None,
 ) -> bool:
-    """Ends a running rollout; False when it was not running (already ended or unknown)."""
+    """Ends a running rollout; False when it was not running (already ended or unknown). Every
+    listening gateway is told when it commits (`ENDED_CHANNEL`): its key stops working there."""
     done = await conn.fetchval(
-        "UPDATE rollouts SET status = $2, reward = $3, metrics = $4, finished_at = now()"
-        " WHERE id = $1 AND status = 'running' RETURNING true",
+        "WITH u AS (UPDATE rollouts SET status = $2, reward = $3, metrics = $4,"
+        " finished_at = now() WHERE id = $1 AND status = 'running' RETURNING id)"
+        f" SELECT true FROM u, pg_notify('{ENDED_CHANNEL}', u.id::text)",
         rollout_id,
         status,
         reward,
