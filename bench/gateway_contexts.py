@@ -96,6 +96,7 @@ def _numbers(r: LoadResult, rows: float, commits: int) -> dict:
         "p50_ms": _p(r.latency_s, 50) * 1e3,
         "rps": len(r.latency_s) / r.wall_s if r.wall_s else float("nan"),
         "cpu_us": _per_call(r.cpu_s.get("proxy", float("nan")), r),
+        "kernel_us": _per_call(r.system_cpu_s.get("proxy", float("nan")), r),
         "postgres_us": _per_call(r.cpu_s.get("postgres", float("nan")), r),
         "chunks": _p(r.chunks, 50) if r.chunks else 0,
         "errors": r.errors,
@@ -340,15 +341,21 @@ def growth(rounds: dict) -> dict[str, list[float]]:
 
 
 def growth_line(rounds: dict) -> str:
-    """How a later call's gateway CPU grows with the context, against the goal."""
+    """How a later call's gateway CPU grows with the context, against the goal, and the part
+    of it spent in the kernel (page faults and copies show there)."""
     cells = []
     for load, ratios in growth(rounds).items():
         ratio = float(np.median(ratios))
         each = "/".join(f"{r:.2f}" for r in ratios)
         cells.append(f"{load} {ratio:.2f}×{'' if ratio <= GOAL_GROWTH else ' !'} ({each})")
+    kernel = [
+        f"{tokens}: {np.median([r['gateway']['json c=64 later']['kernel_us'] for r in each]):.0f}"
+        for tokens, each in rounds.items()
+    ]
     return (
         f"later-call CPU at {max(rounds)} tokens over {min(rounds)}, the median of the rounds' "
-        f"ratios (each round's):\n  {'   '.join(cells)}   (goal ≤ {GOAL_GROWTH:g}×)"
+        f"ratios (each round's):\n  {'   '.join(cells)}   (goal ≤ {GOAL_GROWTH:g}×)\n"
+        f"  of a later call's CPU at c=64, in the kernel (µs, median): {', '.join(kernel)}"
     )
 
 
