@@ -169,3 +169,17 @@ def test_the_earlier_request_sharing_the_most_items_is_resumed():
     # An edited history: the items before the edit are resumed.
     body, layout = _check(decoder, raw("task", "A", "b", "c"), [mine, other])
     assert layout.resumed == 1
+
+
+def test_another_protocols_layout_is_passed_over():
+    # The same bytes decoded as another type of body: its items are not this body's.
+    turns = [{"role": "user", "content": "hi " * 50}]
+    first = msgspec.json.encode({"model": "m", "max_tokens": 5, "messages": turns})
+    typed = Decoder("messages", anthropic.MessagesBody, min_bytes=0)
+    plain = Decoder("messages", min_bytes=0)
+    _, layout = _check(typed, first, [])
+    second = msgspec.json.encode(
+        {"model": "m", "max_tokens": 5, "messages": [*turns, {"role": "user", "content": "b"}]}
+    )
+    body, later = _check(plain, second, [layout])
+    assert later.resumed == 0 and all(type(m) is dict for m in body["messages"])

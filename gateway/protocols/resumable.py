@@ -48,6 +48,7 @@ class Layout(msgspec.Struct):
     items: list
     opens: int
     ends: list[int]
+    by: Any  # the Decoder that made it: items of one type of body are no other's
     resumed: int = 0
     base: bytes | None = None
 
@@ -58,7 +59,7 @@ class Layout(msgspec.Struct):
 
     def kept(self) -> Layout:
         """This layout without its reference to the earlier body, to be kept for later calls."""
-        return Layout(self.raw, self.items, self.opens, self.ends, self.resumed)
+        return Layout(self.raw, self.items, self.opens, self.ends, self.by, self.resumed)
 
 
 class Decoder:
@@ -75,10 +76,11 @@ class Decoder:
 
     def decode(self, raw: bytes, earlier: Iterable[Layout] = ()) -> tuple[Any, Layout | None]:
         """(the decoded body, its layout: None if it is short or has no such array). `earlier`:
-        layouts of the rollout's recent requests, the newest first. Raises msgspec's
-        DecodeError or ValidationError as decoding `raw` whole does."""
+        layouts of the rollout's recent requests, the newest first (those of other decoders,
+        another protocol's, are passed over). Raises msgspec's DecodeError or ValidationError
+        as decoding `raw` whole does."""
         if len(raw) >= self.min_bytes:
-            earlier = list(earlier)
+            earlier = [e for e in earlier if e.by is self]
             # Usually the newest request's items all open this body: one memcmp tells.
             found = next((e for e in earlier if _opens_with(raw, e, len(e.ends))), None)
             k = len(found.ends) if found is not None else 0
@@ -116,7 +118,7 @@ class Decoder:
         if opens < 0 or _WS.match(raw, opens + 1).end() != start:
             return None
         ends = _ends(raw, start, raws)
-        return None if ends is None else Layout(raw, items, opens, ends)
+        return None if ends is None else Layout(raw, items, opens, ends, self)
 
     def _resume(self, raw: bytes, earlier: Layout, k: int) -> tuple[Any, Layout] | None:
         """`raw` decoded as `earlier`'s first `k` items (which it opens with, byte for byte)
@@ -149,7 +151,7 @@ class Decoder:
             setattr(body, self.field, items)
         shift = cut - (earlier.opens + 1)  # from `small`'s offsets to `raw`'s
         ends = earlier.ends[:k] + [end + shift for end in tail]
-        return body, Layout(raw, items, earlier.opens, ends, k, earlier.raw)
+        return body, Layout(raw, items, earlier.opens, ends, self, k, earlier.raw)
 
 
 def _opens_with(raw: bytes, layout: Layout, k: int) -> bool:
