@@ -169,6 +169,22 @@ async def _ok_rows(dsn: str) -> int:
         await conn.close()
 
 
+def _open_pool_connections(gw: GatewayProcess) -> None:
+    """CLIENTS key lookups at once, so the gateway's pool holds a connection for each client
+    before the load: on a loaded machine, opening them under the 0.5 s timeouts is what would
+    fail, and that is not what this test is about."""
+    keys = [gw.new_rollout()["api_key"] for _ in range(CLIENTS)]
+    threads = [
+        threading.Thread(target=httpx.get, args=(gw.url + "/v1/models",),
+                         kwargs={"headers": {"Authorization": f"Bearer {k}"}, "timeout": 10})
+        for k in keys
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_calls_fail_fast_during_an_outage_and_recover_without_restart(
         cluster, vllm_server, tmp_path):
     # A frozen server costs a call up to one command timeout and one release (acquire)
@@ -178,6 +194,7 @@ def test_calls_fail_fast_during_an_outage_and_recover_without_restart(
     try:
         outages = []
         health = []
+        _open_pool_connections(gw)
         with Load(gw, vllm_server.model) as load:
             time.sleep(6)  # past the engine's warm-up: a slow first call is not the point
             for kind in ("stopped", "frozen"):
