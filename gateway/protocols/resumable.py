@@ -86,7 +86,8 @@ class Decoder:
             k = len(found.ends) if found is not None else 0
             if found is None:  # a history edited, or another conversation's: the most shared
                 for layout in earlier:
-                    n = bisect_right(layout.ends, shared(layout.raw, raw, len(raw)))
+                    common = shared(layout.raw, raw, min(len(layout.raw), len(raw)))
+                    n = bisect_right(layout.ends, common)
                     if n > k:
                         found, k = layout, n
             if found is not None:
