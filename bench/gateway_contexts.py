@@ -13,11 +13,12 @@ carries the whole context as text; each later one resends the conversation with 
 a new turn of about 64 tokens appended, so the gateway continues it exactly (rolling keys,
 renders, the parent's ids), stores its body as a delta, and is not sent back the prompt it
 sent (the sampled ids come as logprob tokens).
-First and later calls are measured apart, in ROUNDS rounds that take the contexts in turn, in
-the opposite order every other round; each number is the median of its rounds. How a later
-call's CPU grows with the context is a ratio of two contexts' CPU measured in one round, the
-median over the rounds: these shared machines change speed by half between minutes, which a
-ratio of two medians taken minutes apart would measure instead. Streams repeat one request
+First and later calls are measured apart, in ROUNDS rounds; within a round each load runs at
+every context back to back, in the opposite order every other round, and each number is the
+median of its rounds. How a later call's CPU grows with the context is a ratio of two
+contexts' CPU measured seconds apart in one round, the median over the rounds: these shared
+machines change speed by half between minutes, which a ratio of two medians taken minutes
+apart would measure instead. Streams repeat one request
 (their per-chunk cost does not depend on the conversation).
 
 Postgres CPU is its backends' user + system time from /proc over the measured phase (the
@@ -143,37 +144,53 @@ class _Context:
             proc.wait(10)
 
 
-def _rollouts(ctx: _Context, datname: str, print_fn) -> dict[str, dict[str, dict]]:
-    """{side: {run name: numbers}} of one round of rollout loads against `ctx`."""
-    out: dict[str, dict] = {side: {} for side in ctx.sides}
+def _rollout_load(
+    ctx: _Context, side: str, concurrency: int, rollouts: int, datname: str, print_fn
+) -> dict[str, dict]:
+    """{run name: numbers} of one rollout load (its first and its later calls) through `side`
+    of `ctx`."""
+    url, pid = ctx.sides[side]
     gateway = ctx.gateway
+    keys = [[None] * (rollouts + 1) for _ in range(concurrency)]
+    if side == "gateway":
+        keys = [[gateway.new_rollout()["api_key"] for _ in h] for h in keys]
+    batches0 = gateway.batch_rows()
+    r = conversation_load.run(
+        conversation_load.ConversationSpec(
+            url=url,
+            rollouts=keys,
+            turns=TURNS,
+            context_tokens=ctx.tokens,
+            pids=ctx.pids(pid),
+            postgres=(POSTGRES_URL, datname) if side == "gateway" else None,
+        )
+    )
+    rows, commits = (a - b for a, b in zip(gateway.batch_rows(), batches0))
+    out = {}
+    for phase, res in (("first", r.first), ("later", r.later)):
+        if res.first_error:
+            print_fn(
+                f"  {ctx.tokens} {side} c={concurrency} {phase}: {res.errors} "
+                f"errors: {res.first_error}"
+            )
+        commits_here = commits if side == "gateway" else 0
+        out[f"json c={concurrency} {phase}"] = _numbers(res, rows, commits_here)
+    return out
+
+
+def _round(contexts: list[_Context], datname: str, print_fn) -> dict[int, dict[str, dict]]:
+    """{context: {side: {run name: numbers}}} of one round of rollout loads. Each load and side
+    runs at every context back to back, so that a ratio of two contexts' numbers compares runs
+    seconds apart, not minutes."""
+    out: dict[int, dict] = {ctx.tokens: {side: {} for side in ctx.sides} for ctx in contexts}
     for concurrency, rollouts in ROLLOUTS:
-        for side, (url, pid) in ctx.sides.items():
+        for side in contexts[0].sides:
             if side == "direct" and concurrency != 1:
                 continue  # only the latency baseline is needed
-            keys = [[None] * (rollouts + 1) for _ in range(concurrency)]
-            if side == "gateway":
-                keys = [[gateway.new_rollout()["api_key"] for _ in h] for h in keys]
-            batches0 = gateway.batch_rows()
-            r = conversation_load.run(
-                conversation_load.ConversationSpec(
-                    url=url,
-                    rollouts=keys,
-                    turns=TURNS,
-                    context_tokens=ctx.tokens,
-                    pids=ctx.pids(pid),
-                    postgres=(POSTGRES_URL, datname) if side == "gateway" else None,
+            for ctx in contexts:
+                out[ctx.tokens][side].update(
+                    _rollout_load(ctx, side, concurrency, rollouts, datname, print_fn)
                 )
-            )
-            rows, commits = (a - b for a, b in zip(gateway.batch_rows(), batches0))
-            for phase, res in (("first", r.first), ("later", r.later)):
-                if res.first_error:
-                    print_fn(
-                        f"  {ctx.tokens} {side} c={concurrency} {phase}: {res.errors} "
-                        f"errors: {res.first_error}"
-                    )
-                commits_here = commits if side == "gateway" else 0
-                out[side][f"json c={concurrency} {phase}"] = _numbers(res, rows, commits_here)
     return out
 
 
@@ -229,8 +246,8 @@ class Measured(msgspec.Struct):
 
 
 def measure(dsn: str, datname: str, print_fn) -> Measured:
-    """Every context, side and run: the rollout loads in ROUNDS rounds, the contexts taken in
-    turn within each (reversed every other round), and the median of each number."""
+    """Every context, side and run: the rollout loads in ROUNDS rounds, each load and side run
+    at the contexts in turn (reversed every other round), and the median of each number."""
     log_dir = Path(tempfile.mkdtemp(prefix="rolltap-bench-ctx-"))
     contexts: list[_Context] = []
     try:
@@ -238,9 +255,12 @@ def measure(dsn: str, datname: str, print_fn) -> Measured:
             contexts.append(_Context(tokens, dsn, log_dir))
         out = {ctx.tokens: _streams(ctx, datname, print_fn) for ctx in contexts}
         rounds: dict[int, list[dict]] = {ctx.tokens: [] for ctx in contexts}
+        # The growth ratio's two contexts (the shortest and the longest) run next to each other.
+        in_turn = [contexts[0], contexts[-1], *contexts[1:-1]]
         for i in range(ROUNDS):
-            for ctx in contexts if i % 2 == 0 else contexts[::-1]:
-                rounds[ctx.tokens].append(_rollouts(ctx, datname, print_fn))
+            measured = _round(in_turn if i % 2 == 0 else in_turn[::-1], datname, print_fn)
+            for tokens, sides in measured.items():
+                rounds[tokens].append(sides)
             print_fn(f"  round {i + 1} of {ROUNDS}: measured")
         for tokens, measured in rounds.items():
             for side in measured[0]:
