@@ -18,6 +18,7 @@ import numpy as np
 KEY = "prompt_token_ids"
 _INT32_MAX = 2**31 - 1
 _EMPTY = re.compile(rb"\[\s*\]")
+_DIGITS = frozenset(b"%d" % d for d in range(10))
 
 
 def split(raw: bytes, key: str = KEY) -> tuple[bytes, bytes | None]:
@@ -94,7 +95,10 @@ def _parse_plain(span: bytes) -> np.ndarray | None:
 # A long id array's JSON kept as the JSON arrays it was built from, oldest first: the calls of
 # a conversation share the pieces of its prefix instead of each holding a copy of the whole.
 Pieces = tuple[bytes, ...]
-_MAX_PIECES = 64  # then merged into one: a conversation of many calls stays a few pieces
+# Then merged into one, so a conversation of many calls stays a few pieces: every call sends
+# its pieces (about half a µs each), and a merge copies the whole array once (about 50 µs at
+# 32k tokens), every 8 calls or so (a call adds its new ids and its sampled ones).
+_MAX_PIECES = 16
 
 
 def extend(pieces: Pieces, array: bytes) -> Pieces:
@@ -106,7 +110,11 @@ def extend(pieces: Pieces, array: bytes) -> Pieces:
 def items(pieces: Pieces) -> list[msgspec.Raw]:
     """`pieces` as a value that encodes as their one JSON array: each piece's items, which the
     encoder separates by commas, without copying them first."""
-    return [msgspec.Raw(memoryview(p)[1:-1]) for p in pieces if not _EMPTY.fullmatch(p)]
+    return [
+        msgspec.Raw(memoryview(p)[1:-1])
+        for p in pieces
+        if p[1:2] in _DIGITS or not _EMPTY.fullmatch(p)  # most open with a digit: no regex
+    ]
 
 
 def concat(pieces: Pieces) -> bytes:

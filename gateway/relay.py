@@ -209,7 +209,7 @@ async def relay(
     call.layout = layout
     call.model = ctx.model
     if "messages" in body:
-        body["messages"] = normalize_messages(body["messages"])
+        body["messages"] = normalize_messages(body["messages"], raw)
     if stateful:
         call.state = lambda resp_body: proto.stored_state(req, ctx, resp_body)
     call.offered_tools = bool(body.get("tools"))

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.protocols import anthropic
+from gateway.protocols import anthropic, chat
+from gateway.protocols.errors import GatewayError
 from gateway.protocols.resumable import Decoder
 
 _text = st.text(st.characters(codec="utf-8"), max_size=40)
@@ -183,3 +184,52 @@ def test_another_protocols_layout_is_passed_over():
     )
     body, later = _check(plain, second, [layout])
     assert later.resumed == 0 and all(type(m) is dict for m in body["messages"])
+
+
+_CALL_IDS = st.sampled_from(["c1", "c2", None])
+_assistant = st.fixed_dictionaries(
+    {"role": st.just("assistant"), "content": _text},
+    optional={"tool_calls": st.lists(st.fixed_dictionaries({"id": _CALL_IDS}), max_size=2)},
+)
+_tool = st.fixed_dictionaries(
+    {"role": st.just("tool"), "content": _text, "tool_call_id": _CALL_IDS}
+)
+_chat_message = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": _text}),
+    _assistant,
+    _tool,
+)
+_wrong_message = st.one_of(
+    st.fixed_dictionaries({"role": st.just("robot"), "content": _text}),
+    st.fixed_dictionaries({"role": st.just("user"), "content": st.integers()}),
+)
+_TASK = {"role": "user", "content": "a long task " * 1500}  # past the resuming threshold
+
+
+def _parsed(raw: bytes, earlier) -> tuple:
+    """chat.parse's body, or the error it answers with."""
+    try:
+        body, layout = chat.parse(raw, earlier)
+    except GatewayError as err:
+        return ("error", err.status, err.message, err.param), None
+    return body, layout
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(_chat_message, max_size=3),
+    st.one_of(st.none(), _assistant),
+    st.lists(st.one_of(_tool, _chat_message, _wrong_message), min_size=1, max_size=4),
+)
+def test_chat_checks_only_new_messages_and_answers_as_checking_all(turns, reply, added):
+    # A resumed body's earlier messages passed the checks with their own request; the checks of
+    # the new ones (a tool result answers the calls of an assistant message resumed, a wrong
+    # field is named by its index in the request) give what checking the whole body gives.
+    first = [_TASK, *turns, *([reply] if reply else [])]
+    answer, layout = _parsed(msgspec.json.encode({"model": "m", "messages": first}), [])
+    if layout is None:
+        return  # the earlier request was refused: nothing is kept of it
+    later = msgspec.json.encode({"model": "m", "messages": [*first, *added]})
+    resumed, later_layout = _parsed(later, [layout])
+    assert later_layout is None or later_layout.resumed == len(first)
+    assert resumed == _parsed(later, [])[0]

@@ -19,7 +19,7 @@ from gateway.protocols.openai_common import (
     render_error,
     strip_capture,
 )
-from gateway.protocols.resumable import Layout
+from gateway.protocols.resumable import Decoder, Layout
 from gateway.protocols.tools import check_object_schema
 
 NAME = "chat"
@@ -91,13 +91,18 @@ def parse_request(raw: bytes) -> dict:
     return parse(raw)[0]
 
 
+_MESSAGES = Decoder("messages")  # its layouts are only of bodies that passed `parse`
+
+
 def parse(raw: bytes, earlier: Iterable[Layout] = ()) -> tuple[dict, Layout | None]:
-    """The checked body, and its messages' layout for the requests after it."""
-    body, shape, layout = decode_checked(raw, _Shape, earlier=earlier)
+    """The checked body, and its messages' layout for the requests after it. The messages
+    resumed from an earlier request's passed these checks with it: only those after them are
+    checked (`decode_checked`)."""
+    body, shape, layout, first = decode_checked(raw, _Shape, earlier=earlier, decoder=_MESSAGES)
     if not shape.messages:
         raise GatewayError(400, "`messages` must hold at least one message", param="messages")
-    open_calls: set[str | None] = set()  # ids of the latest assistant turn's tool calls
-    for i, m in enumerate(shape.messages):
+    open_calls = _open_calls(body["messages"], first)
+    for i, m in enumerate(shape.messages, first):
         if m.role not in _ROLES:
             raise GatewayError(
                 400, f"messages[{i}].role: unknown role {m.role!r}", param=f"messages[{i}].role"
@@ -114,6 +119,15 @@ def parse(raw: bytes, earlier: Iterable[Layout] = ()) -> tuple[dict, Layout | No
             check_object_schema(tool.function.parameters, f"tools[{i}].function.parameters")
     check_single_choice(body)
     return body, layout
+
+
+def _open_calls(messages: list[dict], end: int) -> set[str | None]:
+    """The ids of the tool calls of the latest assistant message before `messages[end]` (the
+    calls a tool message there may answer); the messages are checked ones."""
+    for i in range(end - 1, -1, -1):
+        if messages[i]["role"] == "assistant":
+            return {c.get("id") for c in messages[i].get("tool_calls") or ()}
+    return set()
 
 
 def context(body: dict, echo: Echo) -> Context:

@@ -50,7 +50,7 @@ def parse(raw: bytes, earlier: object = ()) -> tuple[dict, None]:
 
 
 def parse_request(raw: bytes) -> dict:
-    body, shape, _ = decode_checked(
+    body, shape, *_ = decode_checked(
         raw, _Shape, " (one prompt per request: a string or a list of token ids)"
     )
     if not shape.prompt:

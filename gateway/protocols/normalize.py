@@ -63,11 +63,20 @@ def strip_claude_code_billing_header(messages: Messages) -> Messages:
     return out
 
 
-NORMALISERS: tuple[Callable[[Messages], Messages], ...] = (strip_claude_code_billing_header,)
+# Each normaliser with the text it changes nothing without: a request body whose bytes hold
+# none of these is passed over without a Python loop over its whole conversation, every call.
+NORMALISERS: tuple[tuple[Callable[[Messages], Messages], bytes], ...] = (
+    (strip_claude_code_billing_header, _BILLING_PREFIX.encode()),
+)
 
 
-def normalize_messages(messages: Messages) -> Messages:
-    """Apply every normaliser in order; returns a new list, the input is not modified."""
-    for normaliser in NORMALISERS:
-        messages = normaliser(messages)
-    return messages
+def normalize_messages(messages: Messages, raw: bytes | None = None) -> Messages:
+    """Apply every normaliser in order; returns a new list, the input is not modified. `raw`:
+    the request body the messages come from, if at hand, to skip the normalisers whose text it
+    does not hold. (JSON may spell ASCII letters as `\\u` escapes; no encoder does, and such a
+    body is only left as it came.)"""
+    out = messages
+    for normaliser, text in NORMALISERS:
+        if raw is None or text in raw:
+            out = normaliser(out)
+    return list(messages) if out is messages else out

@@ -4,6 +4,7 @@ the capture fields the gateway added to a request before the client sees the res
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -68,21 +69,42 @@ def strip_capture(obj: dict, echo: Echo) -> dict:
 _DECODER = Decoder("messages")
 
 
+class Checked(NamedTuple):
+    body: dict  # passed on to the engine as it is
+    shape: Any  # the fields that must hold for the engine to accept it
+    layout: Layout | None  # where its messages lie (gateway/protocols/resumable.py)
+    first: int  # the index in the body of `shape.messages[0]`: those before it were checked
+
+
 def decode_checked(
-    raw: bytes, shape: type, hint: str = "", earlier: Iterable[Layout] = ()
-) -> tuple[dict, object, Layout | None]:
-    """The body as a dict (passed on to the engine as it is), its checked `shape` (the fields
-    that must hold for the engine to accept it, with msgspec's path to any wrong one) and the
-    layout of its messages (see gateway/protocols/resumable.py), decoded from an `earlier`
-    request's where it can be."""
+    raw: bytes,
+    shape: type,
+    hint: str = "",
+    earlier: Iterable[Layout] = (),
+    decoder: Decoder = _DECODER,
+) -> Checked:
+    """The body, decoded from an `earlier` request's where it can be, and checked against
+    `shape` (with msgspec's path to any wrong field).
+
+    The messages a body resumed from an earlier request's were checked with that request (a
+    decoder's layouts are kept only of bodies that passed its protocol's checks), so `shape`
+    holds only the messages after them, and the caller checks only those: a later call's
+    checks do not grow with its conversation. Where they fail, the whole body is checked, so
+    that msgspec's path names the message by its index in the request."""
     try:
-        body, layout = _DECODER.decode(raw, earlier)
+        body, layout = decoder.decode(raw, earlier)
     except msgspec.DecodeError as exc:
         raise GatewayError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "request body must be a JSON object")
     try:
-        return body, msgspec.convert(body, shape), layout
+        if layout is not None and layout.resumed:
+            new = {**body, decoder.field: layout.items[layout.resumed :]}
+            try:
+                return Checked(body, msgspec.convert(new, shape), layout, layout.resumed)
+            except msgspec.ValidationError:
+                pass
+        return Checked(body, msgspec.convert(body, shape), layout, 0)
     except msgspec.ValidationError as exc:
         raise GatewayError(400, f"invalid request: {exc}{hint}") from None
 
