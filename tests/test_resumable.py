@@ -206,13 +206,13 @@ _wrong_message = st.one_of(
 _TASK = {"role": "user", "content": "a long task " * 1500}  # past the resuming threshold
 
 
-def _parsed(raw: bytes, earlier) -> tuple:
-    """chat.parse's body, or the error it answers with."""
+def _answer(parse, raw: bytes, earlier) -> tuple:
+    """A protocol's `parse` of `raw`: (what it decoded, its layout), or the error it answers
+    with."""
     try:
-        body, layout = chat.parse(raw, earlier)
+        return parse(raw, earlier)
     except GatewayError as err:
         return ("error", err.status, err.message, err.param), None
-    return body, layout
 
 
 @settings(max_examples=300, deadline=None)
@@ -226,10 +226,81 @@ def test_chat_checks_only_new_messages_and_answers_as_checking_all(turns, reply,
     # the new ones (a tool result answers the calls of an assistant message resumed, a wrong
     # field is named by its index in the request) give what checking the whole body gives.
     first = [_TASK, *turns, *([reply] if reply else [])]
-    answer, layout = _parsed(msgspec.json.encode({"model": "m", "messages": first}), [])
+    answer, layout = _answer(chat.parse, msgspec.json.encode({"model": "m", "messages": first}), [])
     if layout is None:
         return  # the earlier request was refused: nothing is kept of it
     later = msgspec.json.encode({"model": "m", "messages": [*first, *added]})
-    resumed, later_layout = _parsed(later, [layout])
+    resumed, later_layout = _answer(chat.parse, later, [layout])
     assert later_layout is None or later_layout.resumed == len(first)
-    assert resumed == _parsed(later, [])[0]
+    assert resumed == _answer(chat.parse, later, [])[0]
+
+
+_TOOL_IDS = st.sampled_from(["t1", "t2"])
+_block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": _text}),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_use"), "id": _TOOL_IDS, "name": st.just("bash"),
+         "input": st.dictionaries(st.sampled_from(["cmd", "n"]), _text, max_size=2)}
+    ),  # fmt: skip
+    st.fixed_dictionaries(
+        {"type": st.just("tool_result"), "tool_use_id": _TOOL_IDS, "content": _text}
+    ),
+    st.just({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}),
+)
+_anthropic_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant", "system"]),
+        "content": st.one_of(_text, st.lists(_block, max_size=3)),
+    }
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(_anthropic_message, max_size=5),
+    st.lists(_anthropic_message, min_size=1, max_size=4),
+    st.sampled_from(["the task", "x-anthropic-billing-header: cch=1;\nthe task"]),
+)
+def test_anthropic_translates_only_new_turns_and_answers_as_translating_all(first, added, system):
+    # The turns a resumed body shares whole with the earlier one are taken from its
+    # translation; a new message of the same role as the last one joins its turn, which is
+    # translated again. The system prompt (a per-call billing line) is always translated anew.
+    def raw(messages, system):  # in Claude Code's order: the system prompt after the messages
+        return msgspec.json.encode(
+            {"model": "m", "messages": [_TASK, *messages], "system": system, "max_tokens": 8}
+        )
+
+    _, layout = _answer(anthropic.parse, raw(first, "the task"), [])
+    if layout is None:
+        return  # the earlier request was refused: nothing is kept of it
+    later = raw(first + added, system)
+    resumed, later_layout = _answer(anthropic.parse, later, [layout.kept()])
+    assert later_layout is None or later_layout.resumed == len(first) + 1
+    assert resumed == _answer(anthropic.parse, later, [])[0]
+
+
+def test_anthropic_takes_up_the_earlier_translation_of_shared_turns():
+    def raw(*messages):
+        return msgspec.json.encode(
+            {"model": "m", "messages": [_TASK, *messages], "system": "s", "max_tokens": 8}
+        )
+
+    call = {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "bash", "input": {"cmd": "ls"}}
+    ]}  # fmt: skip
+    result = {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "a b"}
+    ]}  # fmt: skip
+    first, layout = anthropic.parse(raw(call, result))
+    later, later_layout = anthropic.parse(raw(call, result, call, result), [layout.kept()])
+    assert later_layout.resumed == 3
+    # The task and the first tool call are the very messages translated before; the system
+    # prompt is translated anew.
+    assert later.messages[1] is first.messages[1] and later.messages[2] is first.messages[2]
+    assert later.messages == anthropic.parse(raw(call, result, call, result))[0].messages
+    # A user message joining the last turn: that turn is translated again, as one turn.
+    joined = {"role": "user", "content": "and then?"}
+    later, _ = anthropic.parse(raw(call, result, joined), [layout.kept()])
+    assert later.messages == anthropic.parse(raw(call, result, joined))[0].messages
+    assert later.messages[-1] == {"role": "user", "content": "and then?"}
+    assert later.messages[-2]["role"] == "tool"

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import re
 import secrets
+from bisect import bisect_right
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
@@ -310,11 +311,14 @@ def _assistant_turn(items: list[tuple[str, Block]]) -> tuple[dict[str, Any], lis
     return message, [call["id"] for call in tool_calls]
 
 
-def _turns(messages: list[Message]) -> list[tuple[str, int, list[tuple[str, Block]]]]:
-    """Consecutive user or assistant messages merged: (role, index of its first message, blocks
-    with their field paths). A system message is a turn of its own."""
+def _turns(
+    messages: list[Message], start: int = 0
+) -> list[tuple[str, int, list[tuple[str, Block]]]]:
+    """Consecutive user or assistant messages from `start` on merged: (role, index of its first
+    message, blocks with their field paths). A system message is a turn of its own."""
     turns: list[tuple[str, int, list[tuple[str, Block]]]] = []
-    for i, message in enumerate(messages):
+    for i in range(start, len(messages)):
+        message = messages[i]
         if isinstance(message.content, str):
             items = [(f"messages.{i}.content", TextBlock(message.content))]
         else:
@@ -324,6 +328,12 @@ def _turns(messages: list[Message]) -> list[tuple[str, int, list[tuple[str, Bloc
         else:
             turns.append((message.role, i, items))
     return turns
+
+
+def _opens_turn(messages: list[Message], index: int) -> bool:
+    """Whether `messages[index]` starts a turn (see `_turns`)."""
+    role = messages[index].role
+    return index == 0 or role == "system" or role != messages[index - 1].role
 
 
 def _system_message(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
@@ -350,15 +360,46 @@ def _system_turn(messages: list[Message], index: int) -> list[dict[str, Any]]:
     return _system_message(message.content)
 
 
-def _chat_messages(body: CountTokensBody) -> tuple[list[dict[str, Any]], bool]:
-    """The upstream chat messages (normalised) and whether the last turn is an assistant
-    prefill that the model continues."""
+class _Translated(NamedTuple):
+    """A body's messages as chat messages (its system prompt apart), with where each turn ends:
+    a request resumed from this body (gateway/protocols/resumable.py) translates only the turns
+    after the last one the two share whole. The earlier turns passed the checks with this body,
+    and translate the same; the system prompt, which Claude Code changes every call (its
+    billing line), is translated anew."""
+
+    out: list[dict[str, Any]]
+    ends: list[int]  # per turn: the index of the message after it
+    sizes: list[int]  # per turn: len(out) after it
+    open_ids: list[set[str]]  # per turn: the tool_use ids that a user turn after it may answer
+
+
+def _shared_turns(messages: list[Message], earlier: _Translated | None, resumed: int) -> int:
+    """How many of `earlier`'s turns are this request's too: those within its first `resumed`
+    messages (the earlier body's), the last of them only if no new message joins it."""
+    if earlier is None:
+        return 0
+    t = bisect_right(earlier.ends, resumed)
+    return t - 1 if t and not _opens_turn(messages, earlier.ends[t - 1]) else t
+
+
+def _chat_messages(
+    body: CountTokensBody, layout: Layout | None = None
+) -> tuple[list[dict[str, Any]], bool, _Translated]:
+    """The upstream chat messages (normalised), whether the last turn is an assistant prefill
+    that the model continues, and the translation for the requests resumed from this one."""
     if not body.messages:
         raise bad_request("messages: at least one message is required", param="messages")
-    out = _system_message(body.system)
-    open_tool_ids: set[str] = set()
-    turns = _turns(body.messages)
-    for role, first, items in turns:
+    earlier = None if layout is None else layout.derived_from()
+    shared = _shared_turns(body.messages, earlier, layout.resumed if layout else 0)
+    if shared:
+        out = earlier.out[: earlier.sizes[shared - 1]]
+        ends, sizes, open_ids = (part[:shared] for part in earlier[1:])
+    else:
+        out, ends, sizes, open_ids = [], [], [], []
+    open_tool_ids = open_ids[-1] if open_ids else set()
+    turns = _turns(body.messages, ends[-1] if ends else 0)
+    after = [first for _, first, _ in turns[1:]] + [len(body.messages)]
+    for (role, first, items), end in zip(turns, after):
         if role == "system":
             out.extend(_system_turn(body.messages, first))
         elif role == "user":
@@ -368,6 +409,9 @@ def _chat_messages(body: CountTokensBody) -> tuple[list[dict[str, Any]], bool]:
             message, tool_ids = _assistant_turn(items)
             out.append(message)
             open_tool_ids = set(tool_ids)
+        ends.append(end)
+        sizes.append(len(out))
+        open_ids.append(open_tool_ids)
     last_role, last_index, _ = turns[-1]
     if last_role == "assistant" and open_tool_ids:
         raise bad_request(
@@ -375,7 +419,8 @@ def _chat_messages(body: CountTokensBody) -> tuple[list[dict[str, Any]], bool]:
             "tool_result blocks in a user message",
             param=f"messages.{last_index}",
         )
-    return normalize_messages(out), last_role == "assistant"
+    messages = normalize_messages(_system_message(body.system) + out)
+    return messages, last_role == "assistant", _Translated(out, ends, sizes, open_ids)
 
 
 def _chat_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
@@ -431,9 +476,11 @@ def _parse(
         body, layout = decoder.decode(raw, earlier)
     except msgspec.DecodeError as err:
         raise _decode_error(err) from None
-    messages, prefill = _chat_messages(body)
+    messages, prefill, translated = _chat_messages(body, layout)
     tools = _chat_tools(body.tools)
     tool_choice, parallel = _chat_tool_choice(body.tool_choice, tools)
+    if layout is not None:  # checked: the requests resumed from this one take it up
+        layout.derived = translated
     return Request(body, messages, tools, tool_choice, parallel, prefill), layout
 
 

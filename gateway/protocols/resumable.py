@@ -42,7 +42,9 @@ _TAIL = re.compile(rb"[ \t\n\r]*\]")
 class Layout(msgspec.Struct):
     """Where a decoded body's array lies in its bytes: `raw[opens]` is its `[`, and item `i`
     (`items[i]`, as decoded) ends just before `raw[ends[i]]`. `resumed`: how many items were
-    taken from the earlier body `base` (0: the body was decoded whole)."""
+    taken from the earlier body's layout `parent` (0: the body was decoded whole). `derived`:
+    what the protocol made of the items (its own type), which a request resumed from this one
+    may take up for the items it shares (see `derived_from`)."""
 
     raw: bytes
     items: list
@@ -50,16 +52,25 @@ class Layout(msgspec.Struct):
     ends: list[int]
     by: Any  # the Decoder that made it: items of one type of body are no other's
     resumed: int = 0
-    base: bytes | None = None
+    parent: Layout | None = None
+    derived: Any = None
 
     def shared_with(self, body: bytes) -> int:
         """How many bytes this body is known to share with the start of `body`: those of the
         items it was resumed from, if `body` is their body (0 otherwise)."""
-        return self.ends[self.resumed - 1] if self.resumed and body is self.base else 0
+        parent = self.parent
+        return self.ends[self.resumed - 1] if parent is not None and body is parent.raw else 0
+
+    def derived_from(self) -> Any:
+        """The parent's `derived`, whose first `resumed` items are this body's: None if the
+        body was decoded whole."""
+        return None if self.parent is None else self.parent.derived
 
     def kept(self) -> Layout:
-        """This layout without its reference to the earlier body, to be kept for later calls."""
-        return Layout(self.raw, self.items, self.opens, self.ends, self.by, self.resumed)
+        """This layout without its reference to the earlier one, to be kept for later calls."""
+        return Layout(
+            self.raw, self.items, self.opens, self.ends, self.by, self.resumed, None, self.derived
+        )
 
 
 class Decoder:
@@ -152,7 +163,7 @@ class Decoder:
             setattr(body, self.field, items)
         shift = cut - (earlier.opens + 1)  # from `small`'s offsets to `raw`'s
         ends = earlier.ends[:k] + [end + shift for end in tail]
-        return body, Layout(raw, items, earlier.opens, ends, self, k, earlier.raw)
+        return body, Layout(raw, items, earlier.opens, ends, self, k, earlier)
 
 
 def _opens_with(raw: bytes, layout: Layout, k: int) -> bool:
