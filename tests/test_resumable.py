@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.protocols import anthropic, chat
+from gateway.protocols import anthropic, chat, responses
 from gateway.protocols.errors import GatewayError
 from gateway.protocols.resumable import Decoder
 
@@ -220,8 +220,9 @@ def _answer(parse, raw: bytes, earlier) -> tuple:
     st.lists(_chat_message, max_size=3),
     st.one_of(st.none(), _assistant),
     st.lists(st.one_of(_tool, _chat_message, _wrong_message), min_size=1, max_size=4),
+    st.integers(0, 5),
 )
-def test_chat_checks_only_new_messages_and_answers_as_checking_all(turns, reply, added):
+def test_chat_checks_only_new_messages_and_answers_as_checking_all(turns, reply, added, cut):
     # A resumed body's earlier messages passed the checks with their own request; the checks of
     # the new ones (a tool result answers the calls of an assistant message resumed, a wrong
     # field is named by its index in the request) give what checking the whole body gives.
@@ -229,9 +230,11 @@ def test_chat_checks_only_new_messages_and_answers_as_checking_all(turns, reply,
     answer, layout = _answer(chat.parse, msgspec.json.encode({"model": "m", "messages": first}), [])
     if layout is None:
         return  # the earlier request was refused: nothing is kept of it
-    later = msgspec.json.encode({"model": "m", "messages": [*first, *added]})
+    kept = first[: len(first) - cut]  # a history edited after the kept messages, if cut
+    later = msgspec.json.encode({"model": "m", "messages": [*kept, *added]})
     resumed, later_layout = _answer(chat.parse, later, [layout])
-    assert later_layout is None or later_layout.resumed == len(first)
+    if not cut:
+        assert later_layout is None or later_layout.resumed == len(first)
     assert resumed == _answer(chat.parse, later, [])[0]
 
 
@@ -260,8 +263,11 @@ _anthropic_message = st.fixed_dictionaries(
     st.lists(_anthropic_message, max_size=5),
     st.lists(_anthropic_message, min_size=1, max_size=4),
     st.sampled_from(["the task", "x-anthropic-billing-header: cch=1;\nthe task"]),
+    st.integers(0, 5),
 )
-def test_anthropic_translates_only_new_turns_and_answers_as_translating_all(first, added, system):
+def test_anthropic_translates_only_new_turns_and_answers_as_translating_all(
+    first, added, system, cut
+):
     # The turns a resumed body shares whole with the earlier one are taken from its
     # translation; a new message of the same role as the last one joins its turn, which is
     # translated again. The system prompt (a per-call billing line) is always translated anew.
@@ -273,9 +279,10 @@ def test_anthropic_translates_only_new_turns_and_answers_as_translating_all(firs
     _, layout = _answer(anthropic.parse, raw(first, "the task"), [])
     if layout is None:
         return  # the earlier request was refused: nothing is kept of it
-    later = raw(first + added, system)
+    later = raw(first[: len(first) - cut] + added, system)  # an edited history, if cut
     resumed, later_layout = _answer(anthropic.parse, later, [layout.kept()])
-    assert later_layout is None or later_layout.resumed == len(first) + 1
+    if not cut:
+        assert later_layout is None or later_layout.resumed == len(first) + 1
     assert resumed == _answer(anthropic.parse, later, [])[0]
 
 
@@ -304,3 +311,72 @@ def test_anthropic_takes_up_the_earlier_translation_of_shared_turns():
     assert later.messages == anthropic.parse(raw(call, result, joined))[0].messages
     assert later.messages[-1] == {"role": "user", "content": "and then?"}
     assert later.messages[-2]["role"] == "tool"
+
+
+_CALLS = st.sampled_from(["c1", "c2"])
+_part = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text"]), "text": _text}),
+    st.just({"type": "input_image", "image_url": "data:image/png;base64,"}),
+)
+_item = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "developer", "assistant"]),
+         "content": st.one_of(_text, st.lists(_part, max_size=2))},
+        optional={"type": st.just("message")},
+    ),  # fmt: skip
+    st.fixed_dictionaries(
+        {"type": st.just("function_call"), "call_id": _CALLS, "name": st.just("shell"),
+         "arguments": _text}
+    ),  # fmt: skip
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": _CALLS, "output": _text}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("reasoning"), "summary": st.just([]),
+         "content": st.lists(st.fixed_dictionaries(
+             {"type": st.just("reasoning_text"), "text": _text}), max_size=1)}
+    ),  # fmt: skip
+    st.just({"type": "function_call", "call_id": 3}),  # wrong types
+)
+_RESPONSES_TASK = {"role": "user", "content": "a long task " * 1500}
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(_item, max_size=5), st.lists(_item, min_size=1, max_size=4), _text, st.integers(0, 5)
+)
+def test_responses_translate_only_new_items_and_answer_as_translating_all(first, added, text, cut):
+    # Items after the last one that left no assistant turn open are translated again (a new
+    # reasoning or call item joins that turn); a wrong item is named by its index in the input.
+    def raw(items):
+        return msgspec.json.encode(
+            {"model": "m", "instructions": text, "input": [_RESPONSES_TASK, *items]}
+        )
+
+    _, layout = _answer(responses.parse, raw(first), [])
+    if layout is None:
+        return  # the earlier request was refused: nothing is kept of it
+    later = raw(first[: len(first) - cut] + added)  # an edited history, if cut
+    resumed, later_layout = _answer(responses.parse, later, [layout.kept()])
+    if not cut:
+        assert later_layout is None or later_layout.resumed == len(first) + 1
+    assert resumed == _answer(responses.parse, later, [])[0]
+
+
+def test_responses_take_up_the_earlier_translation():
+    def raw(*items):
+        return msgspec.json.encode({"model": "m", "input": [_RESPONSES_TASK, *items]})
+
+    call = {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "ok"}
+    first, layout = responses.parse(raw(call, output))
+    later, later_layout = responses.parse(raw(call, output, call, output), [layout.kept()])
+    assert later_layout.resumed == 3
+    assert later.messages[0] is first.messages[0] and later.messages[1] is first.messages[1]
+    assert later.body.input[1] is first.body.input[1]
+    assert later == responses.parse(raw(call, output, call, output))[0]
+    # Parallel calls: an output answers a call from before the point translation takes up at.
+    second = {**call, "call_id": "c2"}
+    first, layout = responses.parse(raw(call, second, output))
+    later, _ = responses.parse(raw(call, second, output, {**output, "call_id": "c2"}), [layout])
+    assert [m["role"] for m in later.messages] == ["user", "assistant", "tool", "tool"]

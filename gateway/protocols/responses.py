@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Collection, Iterable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -187,13 +187,29 @@ class Body(msgspec.Struct, kw_only=True):
 
 
 class Request(msgspec.Struct):
-    """A validated request: the body plus its tools in chat form."""
+    """A validated request: the body plus its tools in chat form, and its input as chat
+    messages unless it continues a stored response (whose items `to_upstream` is given)."""
 
     body: Body
     chat_tools: list[dict[str, Any]]
     chat_tool_choice: str | dict[str, Any] | None
     namespaced: dict[str, tuple[str, str]]  # chat tool name -> (namespace, name)
     dropped_tools: list[str]
+    messages: list[dict] | None = None
+
+
+class _Translated(NamedTuple):
+    """A body's input items as converted and as chat messages (its instructions apart), taken
+    up by a request resumed from it (gateway/protocols/resumable.py) that opens with all of its
+    items: only the new items are converted and translated. These items passed the checks with
+    this body. Translation takes up after the last item that left no assistant turn open
+    (`done` items made `size` messages); `call_ids` are of all the items' function calls."""
+
+    items: list[Item]
+    out: list[dict]
+    done: int
+    size: int
+    call_ids: set[str]
 
 
 class Context(msgspec.Struct):
@@ -246,11 +262,53 @@ def parse(raw: bytes, earlier: Iterable[Layout] = ()) -> tuple[Request, Layout |
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise bad_request("request body must be a JSON object")
-    _tag_messages(obj.get("input"))
-    body = _convert(obj, Body, "")
+    taken = _taken(layout)
+    new = 0 if taken is None else len(taken.items)
+    _tag_messages(obj["input"][new:] if new else obj.get("input"))
+    body = _body(obj, taken)
     chat_tools, namespaced, dropped = _tools(body.tools)
     choice = _tool_choice(body.tool_choice, chat_tools)
-    return Request(body, chat_tools, choice, namespaced, dropped), layout
+    messages = None
+    if body.previous_response_id is None:
+        translated = _translate(body, taken)
+        messages = _with_instructions(body.instructions, translated.out)
+        if layout is not None:  # checked: the requests resumed from this one take it up
+            layout.derived = translated
+    return Request(body, chat_tools, choice, namespaced, dropped, messages), layout
+
+
+def _taken(layout: Layout | None) -> _Translated | None:
+    """The earlier request's translation, if this body opens with all of its items."""
+    earlier = None if layout is None else layout.derived_from()
+    return earlier if earlier is not None and layout.resumed == len(earlier.items) else None
+
+
+def _body(obj: dict, taken: _Translated | None) -> Body:
+    """`obj` as a Body: only the items after those `taken` are converted, unless they fail
+    (converted whole then, for the error to name the item by its index in the request)."""
+    if taken is not None:
+        try:
+            body = msgspec.convert({**obj, "input": obj["input"][len(taken.items) :]}, Body)
+        except msgspec.ValidationError:
+            pass
+        else:
+            if isinstance(body.input, list):
+                return msgspec.structs.replace(body, input=taken.items + body.input)
+    return _convert(obj, Body, "")
+
+
+def _translate(body: Body, taken: _Translated | None) -> _Translated:
+    """The body's input items as chat messages, taking up `taken`'s translation of its first
+    items."""
+    items = _input_items(body)
+    if taken is None:
+        out: list[dict] = []
+        call_ids: set[str] = set()
+        start = 0
+    else:
+        out, call_ids, start = taken.out[: taken.size], set(taken.call_ids), taken.done
+    done, size = _chat_messages([("input", items, start)], out, call_ids)
+    return _Translated(items, out, done, size, call_ids)
 
 
 # -- tools ---------------------------------------------------------------------------------------
@@ -342,16 +400,26 @@ def _text(parts: str | list, path: str, join: str | None) -> str | list[dict] | 
     return [{"type": "text", "text": t} for t in texts]
 
 
-def _messages(instructions: str | None, sources: list[tuple[str, list[Item]]]) -> list[dict]:
-    """Chat messages, in order. Consecutive assistant-side items (reasoning, text, calls) form
-    one assistant turn, the way the model generated them, so re-rendering reproduces it."""
-    out: list[dict] = []
-    if instructions is not None:
-        out.append({"role": "system", "content": instructions})
+def _with_instructions(instructions: str | None, messages: list[dict]) -> list[dict]:
+    return messages if instructions is None else [
+        {"role": "system", "content": instructions}, *messages
+    ]
+
+
+def _chat_messages(
+    sources: list[tuple[str, list[Item], int]], out: list[dict], call_ids: set[str]
+) -> tuple[int, int]:
+    """Appends the chat messages of the sources' items (from each one's start on) to `out`, in
+    order, and the ids of their function calls to `call_ids`. Consecutive assistant-side items
+    (reasoning, text, calls) form one assistant turn, the way the model generated them, so
+    re-rendering reproduces it. Returns (done, size): after the last source's first `done`
+    items, no assistant turn was open, and `out` held `size` messages."""
     turn: dict | None = None
-    call_ids: set[str] = set()
-    for src, items in sources:
-        for i, item in enumerate(items):
+    done = size = 0
+    for src, items, start in sources:
+        done, size = start, len(out)
+        for i in range(start, len(items)):
+            item = items[i]
             if isinstance(item, FunctionCall):
                 if turn is None:
                     turn = {"role": "assistant", "content": None}
@@ -366,11 +434,10 @@ def _messages(instructions: str | None, sources: list[tuple[str, list[Item]]]) -
                 call_ids.add(item.call_id)
             elif isinstance(item, Reasoning):
                 text = "".join(c.text for c in item.content or ())
-                if not text:
-                    continue
-                if turn is not None:
-                    out.append(turn)
-                turn = {"role": "assistant", "content": None, "reasoning": text}
+                if text:
+                    if turn is not None:
+                        out.append(turn)
+                    turn = {"role": "assistant", "content": None, "reasoning": text}
             elif isinstance(item, Message) and item.role == "assistant":
                 if turn is not None and (turn["content"] is not None or "tool_calls" in turn):
                     out.append(turn)
@@ -400,9 +467,11 @@ def _messages(instructions: str | None, sources: list[tuple[str, list[Item]]]) -
                     role = "system" if item.role == "developer" else item.role
                     content = _text(item.content, f"{src}[{i}].content", None)
                     out.append({"role": role, "content": content})
+            if turn is None:
+                done, size = i + 1, len(out)
     if turn is not None:
         out.append(turn)
-    return out
+    return done, size
 
 
 def _response_format(text: TextConfig | None) -> dict | None:
@@ -438,13 +507,17 @@ def to_upstream(req: Request, previous_items: list | None = None) -> tuple[dict,
             f"previous response with id {body.previous_response_id!r} not found",
             param="previous_response_id",
         )
-    sources: list[tuple[str, list[Item]]] = []
-    if previous_items:
-        prev = [dict(it) if isinstance(it, dict) else it for it in previous_items]
-        _tag_messages(prev)
-        sources.append(("previous_items", _convert(prev, list[Item], "previous_items")))
-    sources.append(("input", _input_items(body)))
-    messages = _messages(body.instructions, sources)
+    messages = req.messages
+    if messages is None:
+        sources: list[tuple[str, list[Item], int]] = []
+        if previous_items:
+            prev = [dict(it) if isinstance(it, dict) else it for it in previous_items]
+            _tag_messages(prev)
+            sources.append(("previous_items", _convert(prev, list[Item], "previous_items"), 0))
+        sources.append(("input", _input_items(body), 0))
+        out: list[dict] = []
+        _chat_messages(sources, out, set())
+        messages = _with_instructions(body.instructions, out)
     if not messages:
         raise bad_request("'input' holds no message for the model", param="input")
 
