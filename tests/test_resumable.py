@@ -215,6 +215,18 @@ def _answer(parse, raw: bytes, earlier) -> tuple:
         return ("error", err.status, err.message, err.param), None
 
 
+def _resumes_as_whole(parse, earlier: bytes, later: bytes, resumes: int | None) -> None:
+    """`parse` answers `later` resumed from `earlier`'s layout as it answers it whole;
+    `resumes`: how many items it takes from `earlier`, if it is to take all of them."""
+    _, layout = _answer(parse, earlier, [])
+    if layout is None:
+        return  # the earlier request was refused: nothing is kept of it
+    resumed, later_layout = _answer(parse, later, [layout.kept()])
+    if resumes is not None:
+        assert later_layout is None or later_layout.resumed == resumes
+    assert resumed == _answer(parse, later, [])[0]
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(_chat_message, max_size=3),
@@ -227,15 +239,13 @@ def test_chat_checks_only_new_messages_and_answers_as_checking_all(turns, reply,
     # the new ones (a tool result answers the calls of an assistant message resumed, a wrong
     # field is named by its index in the request) give what checking the whole body gives.
     first = [_TASK, *turns, *([reply] if reply else [])]
-    answer, layout = _answer(chat.parse, msgspec.json.encode({"model": "m", "messages": first}), [])
-    if layout is None:
-        return  # the earlier request was refused: nothing is kept of it
     kept = first[: len(first) - cut]  # a history edited after the kept messages, if cut
-    later = msgspec.json.encode({"model": "m", "messages": [*kept, *added]})
-    resumed, later_layout = _answer(chat.parse, later, [layout])
-    if not cut:
-        assert later_layout is None or later_layout.resumed == len(first)
-    assert resumed == _answer(chat.parse, later, [])[0]
+    _resumes_as_whole(
+        chat.parse,
+        msgspec.json.encode({"model": "m", "messages": first}),
+        msgspec.json.encode({"model": "m", "messages": [*kept, *added]}),
+        None if cut else len(first),
+    )
 
 
 _TOOL_IDS = st.sampled_from(["t1", "t2"])
@@ -276,14 +286,10 @@ def test_anthropic_translates_only_new_turns_and_answers_as_translating_all(
             {"model": "m", "messages": [_TASK, *messages], "system": system, "max_tokens": 8}
         )
 
-    _, layout = _answer(anthropic.parse, raw(first, "the task"), [])
-    if layout is None:
-        return  # the earlier request was refused: nothing is kept of it
     later = raw(first[: len(first) - cut] + added, system)  # an edited history, if cut
-    resumed, later_layout = _answer(anthropic.parse, later, [layout.kept()])
-    if not cut:
-        assert later_layout is None or later_layout.resumed == len(first) + 1
-    assert resumed == _answer(anthropic.parse, later, [])[0]
+    _resumes_as_whole(
+        anthropic.parse, raw(first, "the task"), later, None if cut else len(first) + 1
+    )
 
 
 def test_anthropic_takes_up_the_earlier_translation_of_shared_turns():
@@ -353,14 +359,8 @@ def test_responses_translate_only_new_items_and_answer_as_translating_all(first,
             {"model": "m", "instructions": text, "input": [_RESPONSES_TASK, *items]}
         )
 
-    _, layout = _answer(responses.parse, raw(first), [])
-    if layout is None:
-        return  # the earlier request was refused: nothing is kept of it
     later = raw(first[: len(first) - cut] + added)  # an edited history, if cut
-    resumed, later_layout = _answer(responses.parse, later, [layout.kept()])
-    if not cut:
-        assert later_layout is None or later_layout.resumed == len(first) + 1
-    assert resumed == _answer(responses.parse, later, [])[0]
+    _resumes_as_whole(responses.parse, raw(first), later, None if cut else len(first) + 1)
 
 
 def test_responses_take_up_the_earlier_translation():
