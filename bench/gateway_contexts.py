@@ -35,7 +35,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from bench import conversation_load, standin
+from bench import conversation_load, request_parse, standin
 from bench.bench_gateway import (
     POSTGRES_URL,
     TARGET_POSTGRES_CPU_US,
@@ -379,7 +379,7 @@ def growth_line(rounds: dict) -> str:
     )
 
 
-def _best_us(calls: list, rounds: int = 15, inner: int = 10) -> list[float]:
+def best_us(calls: list, rounds: int = 15, inner: int = 10) -> list[float]:
     """For each (fn, *args) of `calls`: the best mean of `inner` calls over `rounds`, the rounds
     interleaved so that a busy machine weighs on every variant alike."""
     best = [float("inf")] * len(calls)
@@ -416,7 +416,7 @@ def prompt_ids_table() -> str:
         raw = msgspec.json.encode({**whole, "prompt_token_ids": ids})
         sent = msgspec.json.encode(ids)
 
-        times = _best_us([(_ids_before, raw), (_ids_cut, raw, None), (_ids_cut, raw, sent)])
+        times = best_us([(_ids_before, raw), (_ids_cut, raw, None), (_ids_cut, raw, sent)])
         lines.append(f"{tokens:<12}" + "".join(f"{t:>13.0f} µs" for t in times))
     lines.append("(one whole response: decode + ids to int32; best of 15 interleaved rounds)")
     return "\n".join(lines)
@@ -441,7 +441,7 @@ def body_decode_table() -> str:
             {**request, "messages": [*messages, reply, conversation_load.new_turn(0, 1)]}
         )
         _, layout = decoder.decode(earlier)
-        times = _best_us(
+        times = best_us(
             [
                 (msgspec.json.decode, later),
                 (decoder.decode, later),
@@ -459,6 +459,7 @@ def run(dsn: str, datname: str, print_fn) -> dict:
     started = time.monotonic()
     print_fn(prompt_ids_table())
     print_fn(body_decode_table())
+    print_fn(request_parse.table())
     measured = measure(dsn, datname, print_fn)
     print_fn(format_table(measured))
     print_fn(f"(contexts table: {time.monotonic() - started:.0f} s)")

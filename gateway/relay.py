@@ -208,7 +208,7 @@ async def relay(
     call.retry_count = retry_count(request.headers)
     call.layout = layout
     call.model = ctx.model
-    if "messages" in body:
+    if "messages" in body and not getattr(proto, "MESSAGES_NORMALISED", False):
         body["messages"] = normalize_messages(body["messages"], raw)
     if stateful:
         call.state = lambda resp_body: proto.stored_state(req, ctx, resp_body)

@@ -42,6 +42,7 @@ from gateway.protocols.segments import REASONING, TEXT, TOOL_CALL, Accumulator, 
 from gateway.protocols.tools import chat_tool, chat_tool_choice, check_unique_names
 
 NAME = "anthropic"
+MESSAGES_NORMALISED = True  # the relay leaves them as they are (see `_chat_messages`)
 UPSTREAM_PATH = "/v1/chat/completions"
 
 # ---------------------------------------------------------------------------------------------
@@ -385,8 +386,9 @@ def _shared_turns(messages: list[Message], earlier: _Translated | None, resumed:
 def _chat_messages(
     body: CountTokensBody, layout: Layout | None = None
 ) -> tuple[list[dict[str, Any]], bool, _Translated]:
-    """The upstream chat messages (normalised), whether the last turn is an assistant prefill
-    that the model continues, and the translation for the requests resumed from this one."""
+    """The upstream chat messages (normalised, so the relay does not go over them again),
+    whether the last turn is an assistant prefill that the model continues, and the
+    translation for the requests resumed from this one."""
     if not body.messages:
         raise bad_request("messages: at least one message is required", param="messages")
     earlier = None if layout is None else layout.derived_from()
@@ -401,14 +403,15 @@ def _chat_messages(
     after = [first for _, first, _ in turns[1:]] + [len(body.messages)]
     for (role, first, items), end in zip(turns, after):
         if role == "system":
-            out.extend(_system_turn(body.messages, first))
+            turn = _system_turn(body.messages, first)
         elif role == "user":
-            out.extend(_user_turn(items, open_tool_ids))
+            turn = _user_turn(items, open_tool_ids)
             open_tool_ids = set()
         else:
             message, tool_ids = _assistant_turn(items)
-            out.append(message)
+            turn = [message]
             open_tool_ids = set(tool_ids)
+        out.extend(normalize_messages(turn))  # message by message: see normalize.py
         ends.append(end)
         sizes.append(len(out))
         open_ids.append(open_tool_ids)
@@ -419,7 +422,7 @@ def _chat_messages(
             "tool_result blocks in a user message",
             param=f"messages.{last_index}",
         )
-    messages = normalize_messages(_system_message(body.system) + out)
+    messages = normalize_messages(_system_message(body.system)) + out
     return messages, last_role == "assistant", _Translated(out, ends, sizes, open_ids)
 
 

@@ -5,6 +5,10 @@ token sequences, so neither vLLM's prefix cache nor the trace merger (which exte
 only on an exact token prefix) can reuse anything after it. Every protocol runs its upstream
 chat messages through `normalize_messages` before they go to vLLM; each normaliser below names
 the harness that needs it.
+
+A normaliser works message by message (it may change or drop each one, whatever the others), so
+a conversation's normalisation is its parts' normalisations joined: a protocol that translates
+only a conversation's new turns normalises only those.
 """
 
 from __future__ import annotations
