@@ -22,9 +22,11 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
+import tracemalloc
 
 import msgspec
 import numpy as np
@@ -33,6 +35,8 @@ import zstandard
 from gateway import engine_ids
 from gateway.continuation import RequestKeys
 from gateway.merge import best_base
+from gateway.protocols import chat
+from gateway.protocols.normalize import normalize_messages
 from gateway.store import bodies
 from gateway.store.tokens import RecentCalls
 
@@ -176,32 +180,53 @@ def keys_cost(rounds: int) -> dict:
 
 
 def index_memory(rollouts: int = 64, budget_mib: int = 64) -> dict:
-    """The index fed `rollouts` rollouts of 8 calls of a 32k-token conversation under a
-    `budget_mib` bound, as the gateway feeds it: each call continues the one before with 64
-    new ids (ids, their JSON, body, keys); before: what 8 id arrays of 4,096 rollouts take."""
-    body = _conversation(115)
-    raw = msgspec.json.encode(body)
-    keys = RequestKeys(body)
-    tokens = len(raw) // CHARS_PER_TOKEN
+    """The index fed `rollouts` rollouts of 8 calls of a 32k-token chat conversation under a
+    `budget_mib` bound, as the relay feeds it: each call's body is parsed from the previous
+    call's layout, its keys roll on from the previous call's, and it continues that call with
+    64 new ids (ids, their JSON, body, keys, layout). What the index counts is set beside the
+    memory it holds (tracemalloc); before: what 8 id arrays of 4,096 rollouts take."""
+    messages = _conversation(115)["messages"]
+    raws = [
+        msgspec.json.encode({"model": "agent", "messages": messages[: len(messages) - 2 * k]})
+        for k in range(7, -1, -1)
+    ]
+    tokens = len(raws[-1]) // CHARS_PER_TOKEN
     rng = np.random.default_rng(0)
     recent = RecentCalls(budget_mib << 20)
     peak = 0
-    for r in range(rollouts):
-        ids = rng.integers(0, 150_000, tokens).astype(np.int32)
-        pieces = (msgspec.json.encode(ids.tolist()),)
-        for c in range(8):
-            if c:
-                new = rng.integers(0, 150_000, 64).astype(np.int32)
-                ids = np.concatenate((ids, new))
-                pieces = engine_ids.extend(pieces, msgspec.json.encode(new.tolist()))
-            recent.add(r, c, ids, keys, body=raw, full_json=pieces, supersedes=c - 1 if c else None)
-            peak = max(peak, recent.nbytes)
+    tracemalloc.start()
+    try:
+        held_before = tracemalloc.get_traced_memory()[0]
+        for r in range(rollouts):
+            ids = rng.integers(0, 150_000, tokens).astype(np.int32)
+            pieces = (msgspec.json.encode(ids.tolist()),)
+            for c, raw in enumerate(raws):
+                calls = recent.entries(r) or []
+                body, layout = chat.parse(raw, [e.request for e in calls[::-1] if e.request])
+                keys = RequestKeys(
+                    {"messages": normalize_messages(body["messages"], raw)},
+                    [e.keys for e in calls[::-1] if e.keys is not None],
+                )
+                if c:
+                    new = rng.integers(0, 150_000, 64).astype(np.int32)
+                    ids = np.concatenate((ids, new))
+                    pieces = engine_ids.extend(pieces, msgspec.json.encode(new.tolist()))
+                recent.add(r, c, ids, keys, body=raw, full_json=pieces,
+                           supersedes=c - 1 if c else None, request=layout.kept())  # fmt: skip
+                peak = max(peak, recent.nbytes)
+        del body, layout, keys, calls
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - held_before
+    finally:
+        tracemalloc.stop()
     per_rollout = recent.nbytes / len(recent)
     return {
         "tokens": tokens,
         "before_bytes": 4096 * 8 * 4 * tokens,
         "budget_bytes": budget_mib << 20,
         "peak_bytes": peak,
+        "held_bytes": held,
+        "counted_bytes": recent.nbytes,
         "rollouts_kept": len(recent),
         "per_rollout_bytes": per_rollout,
         "default_rollouts": int((512 << 20) // per_rollout),
@@ -241,10 +266,11 @@ def run(print_fn=print) -> dict:
         f"recent-calls index at {m['tokens']} tokens a call: before up to "
         f"{m['before_bytes'] / 2**30:.1f} GiB (8 id arrays x 4096 rollouts, no bound in bytes); "
         f"now {m['per_rollout_bytes'] / 2**20:.2f} MiB a rollout (8 calls' ids as views of the "
-        f"newest call's, their JSON as its pieces, its body and keys), peak "
-        f"{m['peak_bytes'] / 2**20:.1f} MiB under a "
-        f"{m['budget_bytes'] >> 20} MiB bound; the default 512 MiB holds "
-        f"{m['default_rollouts']} such rollouts"
+        f"newest call's, their JSON as its pieces, its body, layout and keys), peak "
+        f"{m['peak_bytes'] / 2**20:.1f} MiB under a {m['budget_bytes'] >> 20} MiB bound; it "
+        f"holds {m['held_bytes'] / m['counted_bytes']:.2f}x what it counts (tracemalloc: "
+        f"{m['held_bytes'] / 2**20:.1f} MiB for {m['counted_bytes'] / 2**20:.1f}); the default "
+        f"512 MiB holds {m['default_rollouts']} such rollouts"
     )
     return {"storage": s, "keys": keys, "index": m}
 
