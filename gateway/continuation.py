@@ -166,6 +166,11 @@ def context_key(body: dict) -> bytes:
     return _context_hash(body).digest()
 
 
+# A decoded message's dicts, lists and string headers beyond its JSON's bytes: 240-650 B in
+# agent conversations (tracemalloc; more for many short fields, less for long tool outputs).
+_OBJECTS_PER_MESSAGE = 512
+
+
 class RequestKeys:
     """The continuation keys of one chat-completions request body.
 
@@ -252,8 +257,14 @@ class RequestKeys:
     @property
     def nbytes(self) -> int:
         """Memory kept for a later request's rolling keys (roughly: the messages' canonical
-        size, which is about their JSON's)."""
-        return self._size + (len(self._json) if self._json else 0) + 24 * len(self.keys) + 256
+        size, which is about their JSON's, and the Python objects they are decoded into)."""
+        return (
+            self._size
+            + _OBJECTS_PER_MESSAGE * len(self._messages)
+            + (len(self._json) if self._json else 0)
+            + 24 * len(self.keys)
+            + 256
+        )
 
     def reply_keys(self, reply: dict) -> list[bytes]:
         """Keys under which a later request finds the call that got this request and returned

@@ -197,3 +197,49 @@ def test_a_layout_counts_its_body_once_and_items_the_keys_do_not_hold():
     )
     # Bodies not recorded: the layout's body counts in its place.
     assert RecentCall(0, ids(10), keys, request=layout).nbytes == bare + 8
+
+
+@pytest.mark.parametrize("output_lines", [2, 60], ids=["short-messages", "long-tool-outputs"])
+def test_the_index_counts_about_the_memory_it_holds(output_lines):
+    # Its bound is in bytes: what it counts must be what the calls it keeps hold in memory
+    # (ids, their JSON, bodies, decoded messages, keys, layouts), fed as the relay feeds it.
+    import gc
+    import tracemalloc
+
+    from gateway.protocols import chat
+
+    def body(rollout: int, turns: int) -> bytes:
+        messages = [{"role": "user", "content": f"task {rollout} " * 3000}]
+        for k in range(turns):
+            call = {"id": f"c{k}", "type": "function",
+                    "function": {"name": "run", "arguments": f'{{"n": {k}}}'}}  # fmt: skip
+            messages += [
+                {"role": "assistant", "content": f"step {k}", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": f"c{k}", "content": f"line {k}\n" * output_lines},
+            ]
+        return msgspec.json.encode({"model": "m", "messages": messages})
+
+    recent = RecentCalls()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for r in range(8):
+            full = ids(8000)
+            for c in range(6):
+                raw = body(r, 100 + c)
+                calls = recent.entries(r) or []
+                decoded, layout = chat.parse(raw, [e.request for e in calls[::-1] if e.request])
+                keys = RequestKeys(
+                    {"messages": normalize_messages(decoded["messages"], raw)},
+                    [e.keys for e in calls[::-1] if e.keys is not None],
+                )
+                full = np.concatenate((full, ids(50)))
+                pieces = (msgspec.json.encode(full.tolist()),)
+                recent.add(r, c, full, keys, body=raw, full_json=pieces,
+                           supersedes=c - 1 if c else None, request=layout.kept())  # fmt: skip
+        del decoded, layout, keys, calls, full, raw, pieces
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0.75 <= held / recent.nbytes <= 1.33
