@@ -1757,10 +1757,6 @@ def test_to_upstream_refuses_a_count_tokens_request():
 def test_strip_billing_header(messages, expected):
     before = json.dumps(messages)
     assert normalize_messages(messages) == expected
-    # Given the body the messages came from, as the relay does: the same, however it is written.
-    for raw in (before.encode(), json.dumps(messages, indent=1, ensure_ascii=False).encode()):
-        out = normalize_messages(messages, raw)
-        assert out == expected and out is not messages
     assert json.dumps(messages) == before, "the input must not be modified"
 
 
