@@ -401,9 +401,9 @@ def _text(parts: str | list, path: str, join: str | None) -> str | list[dict] | 
 
 
 def _with_instructions(instructions: str | None, messages: list[dict]) -> list[dict]:
-    return messages if instructions is None else [
-        {"role": "system", "content": instructions}, *messages
-    ]
+    """A new list (`messages` may be a translation that later requests take up)."""
+    system = [] if instructions is None else [{"role": "system", "content": instructions}]
+    return [*system, *messages]
 
 
 def _chat_messages(
