@@ -14,6 +14,7 @@ from aiohttp import web
 from gateway.auth import check_admin, hash_key, new_rollout_key
 from gateway.continuation import counts as continuation_counts
 from gateway.finalize import merge_rollout
+from gateway.merge import SideCalls
 from gateway.protocols.errors import GatewayError
 from gateway.relay import sampling_policy
 from gateway.services import Services
@@ -21,6 +22,7 @@ from gateway.store import calls as calls_store
 from gateway.store import rollouts as rollouts_store
 from gateway.store import traces as traces_store
 from gateway.store import values
+from gateway.store.ledger import merge_reason
 
 routes = web.RouteTableDef()
 
@@ -35,6 +37,8 @@ class NewRollout(msgspec.Struct, forbid_unknown_fields=True):
     group_id: str | None = None
     metadata: dict = {}
     timeout_s: _Timeout | None = None
+    # Which toolless calls are a harness's side calls, not trained (gateway/merge.py).
+    side_calls: SideCalls = "auto"
 
 
 class Finish(msgspec.Struct, forbid_unknown_fields=True):
@@ -99,6 +103,7 @@ async def create_rollout(request: web.Request) -> web.Response:
             spec.group_id,
             spec.metadata,
             spec.timeout_s if spec.timeout_s is not None else svc.config.rollout_timeout_s,
+            spec.side_calls,
         )
     base = svc.config.public_url
     return _json(
@@ -134,6 +139,12 @@ async def _summary(svc: Services, rollout_id: uuid.UUID) -> dict:
         if row["merge_error"]
         else "pending",
         "merge_error": row["merge_error"],
+        "side_calls": row["side_calls"],
+        # What the bridge gave the trainer once it consumed the rollout, else what the merge left.
+        "ledger": row["ledger"],
+        "trained_nothing": (row["ledger"] or {}).get("reason")
+        if row["ledger"]
+        else merge_reason(row["merge_stats"]),
         "continuation": continuation_counts(c["continuation"] for c in calls),
         "calls": calls,
     }

@@ -206,7 +206,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "database", "MIB")
     for what, why in (
         ("constrained", "calls sampled under a grammar, forced tool or banned/forced tokens"),
-        ("auxiliary", "sequences none of whose calls offered tools (titles, summaries)"),
+        ("auxiliary", "side calls: toolless sequences beside tool-offering calls (titles, "
+                      "summaries), or in rollouts created with side_calls toolless"),
         ("abandoned", "retries the harness did not continue"),
         ("aborted", "calls the client abandoned mid-stream or that failed"),
     ):

@@ -75,6 +75,9 @@ async def merge_rollout(pool: asyncpg.Pool, rollout_id: UUID, options: MergeOpti
     admin API, and not tried again by the sweeper)."""
     async with pool.acquire() as conn:
         rows = await traces_store.merge_inputs(conn, rollout_id)
+        side_calls = await traces_store.side_calls(conn, rollout_id)
+    # The gateway's options, with the rollout's own word on its side calls.
+    options = msgspec.structs.replace(options, side_calls=side_calls)
     try:
         result = await asyncio.to_thread(lambda: merge(_calls(rows), options))
     except Exception as exc:  # noqa: BLE001 - bad data must not stop the merging of others

@@ -36,21 +36,47 @@ Exclusion. Abandoned calls (unless `train_abandoned`) and aborted or failed call
 `train_aborted`) are never trained: they stay context in their path, and the calls before them are
 still trained (an agent killed mid-stream keeps every turn it completed). Paths ending in a
 trainable call are built first, so shared calls train where the conversation went on; a path that
-then adds nothing to train is excluded, and so is an auxiliary path (no call on it offered tools:
-titles, summaries) unless `train_auxiliary`. Calls without any token (a request that failed before
-the engine saw it) are counted but form no sequence.
+then adds nothing to train is excluded, and so is an auxiliary path unless `train_auxiliary`.
+Calls without any token (a request that failed before the engine saw it) are counted but form no
+sequence.
+
+Side calls (`side_calls`). A harness calls the model beside the agent's work for titles and
+summaries: toolless calls with prompts of their own, not the policy's work. A path none of whose
+calls offered tools is auxiliary (a side call) only where the rollout says so:
+- "auto" (the default): only beside agent work, i.e. when another call of the rollout offered
+  tools. A rollout that never offered tools is a plain chat rollout (single-turn QA, a chat-only
+  agent), and all of it is the policy's work.
+- "toolless": always. The rollout's creator knows its harness is a tool-using agent, so a rollout
+  left with nothing but toolless calls (the harness failed before its first agent turn) holds only
+  side calls and trains nothing.
+- "none": never.
+Every sampled token not trained is counted under the first reason that keeps it out
+(`EXCLUSION_CAUSES`), so a rollout that trains nothing can say why.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
 
 CAUSES = ("drift", "rewrite", "independent", "abandoned")
 STATUSES = ("ok", "aborted", "failed")
+SIDE_CALLS = ("auto", "toolless", "none")
+SideCalls = Literal["auto", "toolless", "none"]
+# Why a sampled token is not trained, in the order a call's reason is picked: the merge's own
+# causes here, the trainer bridge adds its own (gateway/store/ledger.py).
+EXCLUSION_CAUSES = ("incomplete", "aborted", "abandoned", "constrained", "auxiliary")
+# The setting that trains tokens excluded for each cause, for messages that say what to do.
+EXCLUSION_FLAGS = {
+    "incomplete": "none: the engine's record of these tokens is incomplete",
+    "aborted": "the gateway's --train-aborted",
+    "abandoned": "the gateway's --train-abandoned",
+    "constrained": "the gateway's --train-constrained",
+    "auxiliary": "the gateway's --train-auxiliary, or side_calls none on POST /admin/rollouts",
+}
 # Tokens compared per candidate before an exact prefix comparison; spread over the candidate's
 # full sequence, its last token included, they reject almost every non-prefix.
 _PROBES = 8
@@ -110,6 +136,12 @@ class MergeOptions(msgspec.Struct, frozen=True, kw_only=True):
     train_auxiliary: bool = False
     train_abandoned: bool = False
     train_aborted: bool = False
+    # Which toolless calls are side calls (see the module doc); set per rollout by its creator.
+    side_calls: SideCalls = "auto"
+
+    def __post_init__(self) -> None:
+        if self.side_calls not in SIDE_CALLS:
+            raise ValueError(f"side_calls must be one of {SIDE_CALLS}, not {self.side_calls!r}")
 
 
 class MergedSequence(msgspec.Struct, frozen=True, eq=False):
@@ -149,6 +181,8 @@ class MergeStats(msgspec.Struct, frozen=True):
     constrained_tokens: int = 0  # sampled under constraints, not trained unless configured
     retried_calls: int = 0  # earlier attempts of a retried request, marked abandoned
     context_only_calls: int = 0  # calls whose tokens could not be trained at all
+    # Sampled tokens not trained, by the first reason (EXCLUSION_CAUSES) that keeps each call out.
+    excluded_by_cause: dict[str, int] = {}
 
 
 class MergeResult(msgspec.Struct, frozen=True, eq=False):
@@ -232,9 +266,24 @@ def merge(calls: Sequence[CallTokens], options: MergeOptions = MergeOptions()) -
     if not options.train_constrained:
         blocked |= constrained
     blocked |= np.array([c.context_only for c in live], dtype=bool)
-    sequences, trained_calls = _sequences(live, packed, forest, blocked, options)
+    side = options.side_calls == "toolless" or (
+        options.side_calls == "auto" and any(c.offered_tools for c in live)
+    )
+    sequences, trained_calls = _sequences(live, packed, forest, blocked, side, options)
 
     excluded_call = ~trained_calls
+    reasons = (
+        np.array([c.context_only for c in live], dtype=bool),
+        np.array([c.status != "ok" for c in live], dtype=bool),
+        abandoned,
+        constrained,
+        np.ones(len(live), dtype=bool),  # not blocked, yet on no trained path: a side call
+    )
+    left = excluded_call.copy()
+    excluded_by_cause = {}
+    for cause, reason in zip(EXCLUSION_CAUSES, reasons, strict=True):
+        excluded_by_cause[cause] = int(packed.C[left & reason].sum())
+        left &= ~reason
     trained = sum(int(np.count_nonzero(s.loss_mask)) for s in sequences)
     sampled = int(packed.C[~excluded_call].sum())
     causes = dict.fromkeys(CAUSES, 0)
@@ -256,6 +305,7 @@ def merge(calls: Sequence[CallTokens], options: MergeOptions = MergeOptions()) -
         constrained_tokens=int(packed.C[constrained].sum()),
         retried_calls=int(retried.sum()),
         context_only_calls=sum(c.context_only for c in live),
+        excluded_by_cause=excluded_by_cause,
     )
     parents: dict[str, str | None] = {c.id: None for c in ordered}
     for i, c in enumerate(live):
@@ -487,9 +537,11 @@ def _sequences(
     packed: _Packed,
     forest: _Forest,
     blocked: np.ndarray,
+    side: bool,
     options: MergeOptions,
 ) -> tuple[list[MergedSequence], np.ndarray]:
-    """Build one sequence per path; also which calls were trained somewhere."""
+    """Build one sequence per path; also which calls were trained somewhere. `side`: toolless
+    paths are side calls in this rollout."""
     seen = np.zeros(packed.F.size, dtype=bool)
     sequences = []
     paths = forest.leaf_paths()
@@ -507,7 +559,7 @@ def _sequences(
         path = paths[k]
         start, stop = int(bounds[k]), int(bounds[k + 1])
         leaf = path[-1]
-        auxiliary = not forest.tools[leaf]
+        auxiliary = side and not forest.tools[leaf]
         mask = masks[start:stop]
         logprobs = all_logprobs[start:stop]
         versions = all_versions[start:stop]

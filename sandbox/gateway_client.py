@@ -125,9 +125,10 @@ class AdminClient:
         group_id: str,
         metadata: dict[str, Any],
         timeout_s: float,
+        side_calls: str = "auto",
     ) -> RolloutAccess:
         body = {"task_id": task_id, "group_id": group_id, "metadata": metadata,
-                "timeout_s": timeout_s}
+                "timeout_s": timeout_s, "side_calls": side_calls}
         return await self._call("POST", "/admin/rollouts", body, RolloutAccess)
 
     async def finish_rollout(

@@ -68,6 +68,10 @@ class Preset:
     build: Callable[[Harness, LaunchContext], Launch]
     limits: Limits
     help: str
+    # What the gateway takes a toolless call for (POST /admin/rollouts `side_calls`): the npm
+    # harnesses are tool-using agents, so their toolless calls are side calls (titles,
+    # summaries), even in a rollout whose agent never got to its first turn.
+    side_calls: str = "auto"
 
 
 def base_url(ctx: LaunchContext, protocol: Protocol) -> str:
@@ -303,15 +307,20 @@ PRESETS: dict[str, Preset] = {
                       "any CLI, from a template with {prompt} {base_url} {api_key} {model} "
                       "{workdir}"),
     "opencode": Preset("openai", _opencode, NODE_LIMITS,
-                       "OpenCode (opencode-ai): `opencode run`, chat completions"),
+                       "OpenCode (opencode-ai): `opencode run`, chat completions",
+                       side_calls="toolless"),
     "codex": Preset("openai", _codex, NODE_LIMITS,
-                    "Codex (@openai/codex): `codex exec`, Responses API"),
+                    "Codex (@openai/codex): `codex exec`, Responses API",
+                    side_calls="toolless"),
     "claude-code": Preset("anthropic", _claude_code, NODE_LIMITS,
-                          "Claude Code (@anthropic-ai/claude-code): `claude --print`, Messages"),
+                          "Claude Code (@anthropic-ai/claude-code): `claude --print`, Messages",
+                          side_calls="toolless"),
     "qwen-code": Preset("openai", _qwen_code, NODE_LIMITS,
-                        "Qwen Code (@qwen-code/qwen-code): `qwen PROMPT`, chat completions"),
+                        "Qwen Code (@qwen-code/qwen-code): `qwen PROMPT`, chat completions",
+                        side_calls="toolless"),
     "pi": Preset("openai", _pi, NODE_LIMITS,
-                 "Pi (@mariozechner/pi-coding-agent): `pi --print`, chat completions"),
+                 "Pi (@mariozechner/pi-coding-agent): `pi --print`, chat completions",
+                 side_calls="toolless"),
 }
 
 

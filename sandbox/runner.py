@@ -34,7 +34,7 @@ import msgspec
 
 from sandbox.backends.base import Backend, CrashReward, SandboxRequest, SandboxResult
 from sandbox.gateway_client import AdminClient, GatewayError, RolloutInfo
-from sandbox.presets import Harness
+from sandbox.presets import Harness, preset_for
 from sandbox.state import FinishedRollout, Key, RunHeader, StateFile
 from sandbox.summary import trained_tokens
 from sandbox.tasks import Task
@@ -246,6 +246,7 @@ class _Run:
                 group_id=item.group_id,
                 metadata=_metadata(item, self.harness, self.run_id),
                 timeout_s=gateway_timeout(item.task),
+                side_calls=preset_for(self.harness).side_calls,
             )
         except GatewayError as exc:
             self.fail(item, f"create: {exc}")

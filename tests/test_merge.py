@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from gateway.merge import (
     CAUSES,
+    EXCLUSION_CAUSES,
+    SIDE_CALLS,
     CallTokens,
     MergeOptions,
     _find_parents,
@@ -77,6 +79,9 @@ def check_faithful(result, calls):
     assert max(trained.values(), default=1) == 1, "a call trained twice"
     assert result.stats.lost_tokens == 0
     assert result.stats.trained_tokens == sum(by_id[i].completion_ids.size for i in trained)
+    # Every sampled token not trained is accounted for under exactly one cause.
+    assert set(result.stats.excluded_by_cause) == set(EXCLUSION_CAUSES)
+    assert sum(result.stats.excluded_by_cause.values()) == result.stats.excluded_tokens
     return set(trained)
 
 
@@ -91,12 +96,16 @@ def expected_training(calls, parents, abandoned, options):
             c.status != "ok" and not options.train_aborted
         )
 
+    # Toolless paths are side calls beside agent work, or always when the rollout says so.
+    side = options.side_calls == "toolless" or (
+        options.side_calls == "auto" and any(c.offered_tools for c in live)
+    )
     leaves, train = {}, set()
     for leaf in (c for c in live if c.id not in has_child):
         path = [leaf]
         while parents[path[-1].id] is not None:
             path.append(by_id[parents[path[-1].id]])
-        auxiliary = not any(c.offered_tools for c in path)
+        auxiliary = side and not any(c.offered_tools for c in path)
         if auxiliary and not options.train_auxiliary:
             leaves[leaf.id] = (True, True)
             continue
@@ -288,7 +297,7 @@ class Rollout:
 EVENTS = ["turn", "turn", "turn", "retry", "drift", "rewrite", "compact", "spawn", "aux",
           "abort", "empty"]
 OPTIONS = st.builds(MergeOptions, train_auxiliary=st.booleans(), train_abandoned=st.booleans(),
-                    train_aborted=st.booleans())
+                    train_aborted=st.booleans(), side_calls=st.sampled_from(SIDE_CALLS))
 
 
 @st.composite
@@ -557,6 +566,44 @@ def test_sub_agent_and_title_call_are_independent_and_the_title_is_auxiliary():
     assert result.stats.auxiliary_sequences == 1 and result.stats.excluded_tokens == 1
     kept = merge([a, sub, title, b, c], MergeOptions(train_auxiliary=True))
     assert kept.sequences[2].loss_mask.tolist() == [0, 0, 1]
+
+
+def test_a_rollout_that_never_offered_tools_is_plain_chat_and_trains():
+    qa = make_call("q", 1, [1, 2, 3], [4, 5, 6], tools=False)
+    result = merge([qa])
+    [seq] = result.sequences
+    assert (seq.auxiliary, seq.excluded) == (False, False)
+    assert seq.loss_mask.tolist() == [0, 0, 0, 1, 1, 1]
+    assert result.stats.trained_tokens == 3 and result.stats.excluded_tokens == 0
+
+
+def test_an_opencode_shaped_rollout_still_excludes_its_toolless_title_call():
+    title = make_call("t", 1, [60, 61], [62, 63], tools=False)
+    agent = make_call("a", 2, [1, 2, 3], [4, 5], tools=True)
+    for side_calls in ("auto", "toolless"):
+        result = merge([title, agent], MergeOptions(side_calls=side_calls))
+        assert [(s.call_ids, s.auxiliary, s.excluded) for s in result.sequences] == [
+            (["t"], True, True), (["a"], False, False)]
+        assert result.stats.trained_tokens == 2
+        assert result.stats.excluded_by_cause["auxiliary"] == 2
+    every = merge([title, agent], MergeOptions(side_calls="none"))
+    assert every.stats.trained_tokens == 4 and not any(s.auxiliary for s in every.sequences)
+
+
+def test_a_rollout_of_only_side_calls_trains_nothing_when_its_creator_says_they_are():
+    title = make_call("t", 1, [60, 61], [62, 63], tools=False)
+    result = merge([title], MergeOptions(side_calls="toolless"))
+    [seq] = result.sequences
+    assert seq.auxiliary and seq.excluded and not seq.loss_mask.any()
+    assert result.stats.trained_tokens == 0
+    assert result.stats.excluded_by_cause == {**dict.fromkeys(EXCLUSION_CAUSES, 0), "auxiliary": 2}
+    assert merge([title], MergeOptions(side_calls="toolless", train_auxiliary=True)).stats \
+        .trained_tokens == 2
+
+
+def test_side_calls_must_be_known():
+    with pytest.raises(ValueError, match="side_calls"):
+        MergeOptions(side_calls="sometimes")
 
 
 def test_parallel_children_share_a_call_trained_once():

@@ -158,3 +158,31 @@ def test_traces_of_a_running_rollout_are_not_ready(gateway):
     rollout = gateway.new_rollout()
     r = gateway.admin.get(f"/admin/rollouts/{rollout['rollout_id']}/traces")
     assert r.status_code == 409 and r.json()["error"]["code"] == "not_merged"
+
+
+def test_plain_chat_trains_and_a_side_call_only_rollout_says_why_it_trains_nothing(
+    gateway, vllm_server
+):
+    title = [{"role": "system", "content": "Write a title."},
+             {"role": "user", "content": "Conversation about a task."}]
+    # Created without a word on side calls: a toolless call is the policy's work.
+    plain = gateway.new_rollout(task_id="qa")
+    _client(plain).chat.completions.create(model=vllm_server.model, messages=title, max_tokens=4)
+    stats = gateway.finish(plain["rollout_id"], 1.0).json()["merge"]["stats"]
+    assert stats["trained_tokens"] == stats["sampled_tokens"] > 0
+    assert stats["auxiliary_sequences"] == 0
+
+    # A tool-using harness (the runner's presets say so) that died after its title call.
+    side = gateway.new_rollout(task_id="agent", side_calls="toolless")
+    _client(side).chat.completions.create(model=vllm_server.model, messages=title, max_tokens=4)
+    summary = gateway.finish(side["rollout_id"], 0.0).json()
+    stats = summary["merge"]["stats"]
+    assert stats["trained_tokens"] == 0 and stats["auxiliary_sequences"] == 1
+    assert stats["excluded_by_cause"]["auxiliary"] == stats["excluded_tokens"] > 0
+    assert summary["merge"]["options"]["side_calls"] == "toolless"
+    assert summary["trained_nothing"].startswith(
+        f"trained nothing: {stats['excluded_tokens']} sampled tokens excluded as auxiliary")
+    assert "--train-auxiliary" in summary["trained_nothing"]
+
+    bad = gateway.admin.post("/admin/rollouts", json={"side_calls": "sometimes"})
+    assert bad.status_code == 400 and "side_calls" in bad.json()["error"]["message"]

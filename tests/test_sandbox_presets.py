@@ -91,6 +91,12 @@ def test_npm_presets(preset):
     assert KEY in launch.env.values()
     # Node reserves huge virtual memory: no address-space limit for the npm harnesses.
     assert harness_limits(Harness(preset=preset, model="tiny")).address_space_mb is None
+    # Tool-using agents: their toolless calls are side calls, even with no agent turn beside.
+    assert PRESETS[preset].side_calls == "toolless"
+
+
+def test_python_and_command_agents_leave_side_calls_to_the_gateway():
+    assert PRESETS["python"].side_calls == PRESETS["command"].side_calls == "auto"
 
 
 def test_config_details():

@@ -245,6 +245,22 @@ MIGRATIONS: list[tuple[int, str]] = [
         $$;
         """,
     ),
+    (
+        8,
+        """
+        -- Which toolless calls of a rollout are side calls (gateway/merge.py): 'auto', 'toolless'
+        -- or 'none', as its creator said on POST /admin/rollouts.
+        ALTER TABLE rollouts ADD COLUMN side_calls text NOT NULL DEFAULT 'auto'
+            CHECK (side_calls IN ('auto', 'toolless', 'none'));
+        -- What the trainer bridge did with each consumed rollout (gateway/store/ledger.py):
+        -- tokens trained and tokens excluded by cause, written when it is consumed.
+        ALTER TABLE rollouts ADD COLUMN ledger jsonb;
+        -- Per delivered trace: the tokens the step trained, and those it masked as stale.
+        ALTER TABLE deliveries
+            ADD COLUMN trained_tokens integer,
+            ADD COLUMN stale_tokens   integer;
+        """,
+    ),
 ]
 
 _LOCK_ID = 0x726F6C6C746170  # "rolltap"

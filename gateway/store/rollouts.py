@@ -40,18 +40,20 @@ async def create(
     group_id: str | None,
     metadata: dict,
     timeout_s: float | None,
+    side_calls: str = "auto",
 ) -> None:
     await conn.execute(
-        "INSERT INTO rollouts (id, key_hash, task_id, group_id, metadata, deadline)"
+        "INSERT INTO rollouts (id, key_hash, task_id, group_id, metadata, deadline, side_calls)"
         " VALUES ($1, $2, $3, $4, $5,"
         "         CASE WHEN $6::float8 IS NULL THEN NULL"
-        "              ELSE now() + make_interval(secs => $6::float8) END)",
+        "              ELSE now() + make_interval(secs => $6::float8) END, $7)",
         rollout_id,
         key_hash,
         task_id,
         group_id,
         metadata,
         timeout_s,
+        side_calls,
     )
 
 
@@ -68,7 +70,7 @@ async def get(conn: asyncpg.Connection, rollout_id: UUID) -> asyncpg.Record | No
     return await conn.fetchrow(
         "SELECT id, task_id, group_id, metadata, status, reward, metrics, call_count,"
         " created_at, deadline, finished_at, harness, merge_stats, merge_options, merged_at,"
-        " merge_error"
+        " merge_error, side_calls, ledger, consumed_at"
         " FROM rollouts WHERE id = $1",
         rollout_id,
     )

@@ -23,6 +23,12 @@ async def merge_inputs(conn: asyncpg.Connection, rollout_id: UUID) -> list[async
     )
 
 
+async def side_calls(conn: asyncpg.Connection, rollout_id: UUID) -> str:
+    """What the rollout's creator said of its toolless calls ('auto' for an unknown rollout)."""
+    value = await conn.fetchval("SELECT side_calls FROM rollouts WHERE id = $1", rollout_id)
+    return value or "auto"
+
+
 async def replace(
     conn: asyncpg.Connection,
     rollout_id: UUID,
