@@ -212,7 +212,9 @@ async def metrics(request: web.Request) -> web.Response:
     if m.due_for_database():
         async with svc.pool.acquire() as conn:
             m.database_values(
-                await rollouts_store.count_by_status(conn), await traces_store.harness_metrics(conn)
+                await rollouts_store.count_by_status(conn),
+                await traces_store.harness_metrics(conn),
+                await rollouts_store.ledger_totals(conn),
             )
     return web.Response(body=m.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 

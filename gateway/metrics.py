@@ -23,6 +23,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.store.calls import CallRecord
+from gateway.store.ledger import CAUSES as LEDGER_CAUSES
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
@@ -126,6 +127,16 @@ class Metrics:
             "rolltap_merge_lost_tokens", "sampled tokens not trained after merging, by harness",
             ["harness"], registry=r,
         )
+        self.consumed_tokens = Gauge(
+            "rolltap_consumed_trained_tokens",
+            "tokens of rollouts a trainer bridge consumed that went to the loss",
+            registry=r,
+        )
+        self.excluded_tokens = Gauge(
+            "rolltap_consumed_excluded_tokens",
+            "sampled tokens of consumed rollouts that did not train, by cause",
+            ["cause"], registry=r,
+        )
         self._db_read = 0.0
         # Labelled children, looked up once: `labels()` takes a lock and hashes every call.
         self._children: dict[tuple, tuple] = {}
@@ -185,8 +196,18 @@ class Metrics:
     def due_for_database(self) -> bool:
         return time.monotonic() - self._db_read > _DB_REFRESH_S
 
-    def database_values(self, statuses: Iterable, harnesses: Iterable) -> None:
+    def database_values(self, statuses: Iterable, harnesses: Iterable, ledger: Iterable) -> None:
+        """`ledger`: (cause, tokens) summed over consumed rollouts; cause None for trained."""
         self._db_read = time.monotonic()
+        self.consumed_tokens.set(0)
+        self.excluded_tokens.clear()
+        for cause in LEDGER_CAUSES:
+            self.excluded_tokens.labels(cause).set(0)
+        for cause, tokens in ledger:
+            if cause is None:
+                self.consumed_tokens.set(tokens)
+            else:
+                self.excluded_tokens.labels(cause).set(tokens)
         self.rollouts.clear()
         for row in statuses:
             self.rollouts.labels(row["status"]).set(row["count"])

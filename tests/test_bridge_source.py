@@ -113,7 +113,9 @@ def test_group_samples_share_their_rollouts_advantage(rollouts):
     for member, advantage in zip(members, expected_adv):
         for idx, seq in traces[member["id"]]:
             if len(seq.input_ids) > 30:
-                skipped.append((member["id"], idx, "too_long"))
+                # Put aside with the tokens it would have trained (its first one never trains).
+                skipped.append((member["id"], idx, "too_long", 0,
+                                int(seq.loss_mask[1:].astype(bool).sum())))
                 continue
             version = int(seq.versions[seq.loss_mask.astype(bool)].max()) - 10
             expected.append((advantage, version, member["reward"], member["id"], idx))
@@ -295,6 +297,31 @@ async def test_a_rollout_is_consumed_once_every_trace_is_delivered(lease_pool):
         assert idx == 1
         await deliveries.acknowledge(conn, "A", 2, [(rid, 1, "stale")])
         assert await conn.fetchval("SELECT consumed_at FROM rollouts WHERE id = $1", rid)
+
+
+async def test_a_consumed_rollout_records_what_it_gave_the_trainer(lease_pool):
+    match = {"run": uuid.uuid4().hex}
+    traces = [_trace([1, 1, 1]), _trace([1, 1]), _trace([2] * 40)]
+    rid, other = await _rollouts(lease_pool, "g-ledger", 2, match, traces=traces)
+    stats = {"trained_tokens": 45, "excluded_by_cause": {"auxiliary": 7, "constrained": 2}}
+    Entry = deliveries.Entry
+    async with lease_pool.acquire() as conn:
+        await conn.execute("UPDATE rollouts SET merge_stats = $1", stats)  # also the older rows
+        await deliveries.claim_group(conn, "A", "g-ledger", match, 30)
+        await deliveries.release_group(conn, "A", {rid: 0.5}, [other],
+                                       [Entry(rid, 2, "too_long", 0, 40)])
+        # The dropped member is consumed at once: all it could have trained is "dropped".
+        dropped = (await deliveries.ledgers(conn, [other]))[other]
+        assert dropped["trained_tokens"] == 0 and dropped["excluded_tokens"]["dropped"] == 45
+        assert dropped["reason"].startswith("trained nothing: 45 sampled tokens excluded as "
+                                            "dropped")
+        await deliveries.acknowledge(conn, "A", 1, [Entry(rid, 0, "trained", 2, 1)])
+        assert await deliveries.ledgers(conn, [rid]) == {}  # not consumed yet
+        await deliveries.acknowledge(conn, "A", 2, [Entry(rid, 1, "stale", 0, 2)])
+        ledger = (await deliveries.ledgers(conn, [rid]))[rid]
+    assert ledger["trained_tokens"] == 2 and ledger["reason"] is None
+    assert {k: v for k, v in ledger["excluded_tokens"].items() if v} == {
+        "auxiliary": 7, "constrained": 2, "too_long": 40, "stale": 3}
 
 
 async def test_a_released_claim_is_free_at_once(lease_pool):

@@ -14,7 +14,6 @@ import pytest
 
 from gateway.store import calls as calls_store
 from gateway.store import migrations
-from gateway.store import rollouts as rollouts_store
 from gateway.store.db import _init_connection
 from tests.support.postgres import fresh_database
 
@@ -45,9 +44,13 @@ def _prompt(tokens: int, seed: int) -> np.ndarray:
 
 
 async def _rollout(conn, status: str = "running") -> uuid.UUID:
+    # Not the store's create: these rows are written under older schemas too.
     rid = uuid.uuid4()
-    await rollouts_store.create(conn, rid, os.urandom(16), "t", "g", {}, None)
-    await conn.execute("UPDATE rollouts SET status = $2 WHERE id = $1", rid, status)
+    await conn.execute(
+        "INSERT INTO rollouts (id, key_hash, task_id, group_id, status)"
+        " VALUES ($1, $2, 't', 'g', $3)",
+        rid, os.urandom(16), status,
+    )
     return rid
 
 

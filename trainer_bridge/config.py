@@ -130,6 +130,9 @@ class BridgeConfig:
     db_give_up: float = field(default=600.0, metadata=_opt(
         "seconds of nothing but database errors before the bridge gives up (shorter outages "
         "are retried with backoff)", _GROUPS, metavar="S", type=float))
+    report_every: float = field(default=30.0, metadata=_opt(
+        "seconds between lines saying what the bridge waits for when no step comes, and why "
+        "the groups it consumed trained nothing", _GROUPS, metavar="S", type=float))
 
     # -- weights
     weight_sync: Literal["disk", "nccl"] = field(default="disk", metadata=_opt(
@@ -175,6 +178,7 @@ class BridgeConfig:
             version_offset=version_offset,
             max_attempts=self.max_attempts,
             db_give_up_s=self.db_give_up,
+            report_every_s=self.report_every,
         )
 
     # -- flags and environment ----------------------------------------------------------------

@@ -20,15 +20,30 @@ A group is keyed by `group_id`; a rollout without one is a group of its own, key
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 from uuid import UUID
 
 import asyncpg
+import msgspec
 
+from gateway.store.ledger import account
 from gateway.store.traces import StoredTrace
 
 Outcome = Literal["trained", "stale", "too_long", "untrained"]
+
+
+class Entry(NamedTuple):
+    """One line of the delivery log: a trace, what became of it and, for the rollout's ledger,
+    the tokens the step trained and those it left out (masked stale, or the whole trace put aside
+    as stale or too long). Counts may be None where they are not known (zero)."""
+
+    rollout_id: UUID
+    idx: int
+    outcome: Outcome
+    trained_tokens: int | None = None
+    excluded_tokens: int | None = None
 
 _GROUP_KEY = "coalesce(group_id, id::text)"
 _IN_GROUP = "(group_id = $1 OR (group_id IS NULL AND id::text = $1))"
@@ -143,7 +158,7 @@ async def release_group(
     owner: str,
     advantages: dict[UUID, float],
     dropped: Sequence[UUID],
-    skipped: Iterable[tuple[UUID, int, Outcome]],
+    skipped: Iterable[Entry | tuple[UUID, int, Outcome]],
 ) -> None:
     """Release a claimed group, in one transaction: fix the advantage of each member that trains
     (kept if it was fixed before), consume the `dropped` members, log the `skipped` traces, and
@@ -170,17 +185,21 @@ async def release_group(
             list(advantages),
             list(advantages.values()),
         )
-        await conn.execute(
+        gone = await conn.fetch(
             "UPDATE rollouts SET released_at = coalesce(released_at, now()), consumed_at = now(),"
-            " lease_until = NULL WHERE id = ANY($1)",
+            " lease_until = NULL WHERE id = ANY($1) RETURNING id, merge_stats, advantage",
             list(dropped),
         )
+        await _write_ledgers(conn, gone, dropped=True)
         await _log(conn, owner, None, skipped, leased=True)
         await _consume_complete(conn, owner, list(advantages))
 
 
 async def acknowledge(
-    conn: asyncpg.Connection, owner: str, step: int, entries: Sequence[tuple[UUID, int, Outcome]]
+    conn: asyncpg.Connection,
+    owner: str,
+    step: int,
+    entries: Sequence[Entry | tuple[UUID, int, Outcome]],
 ) -> set[UUID]:
     """Log what optimizer step `step` took (and what was put aside since the last step), and
     consume the rollouts that have nothing left to deliver; returns the rollouts whose lease
@@ -195,10 +214,10 @@ async def acknowledge(
             "SELECT id FROM rollouts WHERE id = ANY($2) AND lease_owner = $1"
             " AND consumed_at IS NULL FOR UPDATE",
             owner,
-            list({rid for rid, _, _ in entries}),
+            list({e[0] for e in entries}),
         )
         held = {r["id"] for r in rows}
-        lost = {rid for rid, _, _ in entries} - held
+        lost = {e[0] for e in entries} - held
         await _log(conn, owner, step, [e for e in entries if e[0] in held], leased=True)
         await _log(conn, owner, step, [e for e in entries if e[0] in lost], leased=False)
         await _consume_complete(conn, owner, list(held))
@@ -209,20 +228,24 @@ async def _log(
     conn: asyncpg.Connection,
     owner: str,
     step: int | None,
-    entries: Iterable[tuple[UUID, int, Outcome]],
+    entries: Iterable[Entry | tuple[UUID, int, Outcome]],
     *,
     leased: bool,
 ) -> None:
-    entries = list(entries)
+    entries = [Entry(*e) for e in entries]
     if not entries:
         return
-    rollout_ids, idxs, outcomes = (list(column) for column in zip(*entries, strict=True))
+    rollout_ids, idxs, outcomes, trained, excluded = (
+        list(column) for column in zip(*entries, strict=True)
+    )
     # Step -1: put aside at release, before any step. The NOT EXISTS makes a retried
     # acknowledgement of the same step a no-op.
     await conn.execute(
-        "INSERT INTO deliveries (rollout_id, idx, outcome, owner, step, leased)"
-        " SELECT e.rollout_id, e.idx, e.outcome, $4, $5, $6"
-        " FROM unnest($1::uuid[], $2::int[], $3::text[]) AS e(rollout_id, idx, outcome)"
+        "INSERT INTO deliveries (rollout_id, idx, outcome, owner, step, leased, trained_tokens,"
+        " excluded_tokens)"
+        " SELECT e.rollout_id, e.idx, e.outcome, $4, $5, $6, e.trained, e.excluded"
+        " FROM unnest($1::uuid[], $2::int[], $3::text[], $7::int[], $8::int[])"
+        "   AS e(rollout_id, idx, outcome, trained, excluded)"
         " WHERE NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.rollout_id = e.rollout_id"
         "   AND d.idx = e.idx AND d.owner = $4 AND d.step = $5)",
         rollout_ids,
@@ -231,17 +254,54 @@ async def _log(
         owner,
         -1 if step is None else step,
         leased,
+        trained,
+        excluded,
     )
 
 
 async def _consume_complete(conn: asyncpg.Connection, owner: str, rollout_ids: list[UUID]) -> None:
-    await conn.execute(
+    done = await conn.fetch(
         "UPDATE rollouts r SET consumed_at = now(), lease_until = NULL"
         " WHERE r.id = ANY($2) AND r.lease_owner = $1 AND r.consumed_at IS NULL"
-        f" AND NOT EXISTS (SELECT 1 FROM traces t WHERE t.rollout_id = r.id AND {_UNDELIVERED})",
+        f" AND NOT EXISTS (SELECT 1 FROM traces t WHERE t.rollout_id = r.id AND {_UNDELIVERED})"
+        " RETURNING r.id, r.merge_stats, r.advantage",
         owner,
         rollout_ids,
     )
+    await _write_ledgers(conn, done, dropped=False)
+
+
+async def _write_ledgers(conn: asyncpg.Connection, consumed: Sequence, *, dropped: bool) -> None:
+    """Each consumed rollout's ledger (gateway/store/ledger.py), from its merge and its log."""
+    if not consumed:
+        return
+    logged = defaultdict(list)
+    for row in await conn.fetch(
+        "SELECT rollout_id, outcome, trained_tokens, excluded_tokens FROM deliveries"
+        " WHERE rollout_id = ANY($1)",
+        [r["id"] for r in consumed],
+    ):
+        logged[row["rollout_id"]].append(
+            (row["outcome"], row["trained_tokens"], row["excluded_tokens"])
+        )
+    await conn.executemany(
+        "UPDATE rollouts SET ledger = $2 WHERE id = $1",
+        [
+            (r["id"], msgspec.to_builtins(
+                account(r["merge_stats"] or {}, r["advantage"], logged[r["id"]], dropped=dropped)
+            ))
+            for r in consumed
+        ],
+    )
+
+
+async def ledgers(conn: asyncpg.Connection, rollout_ids: Sequence[UUID]) -> dict[UUID, dict]:
+    """The ledgers of the consumed ones among `rollout_ids`."""
+    rows = await conn.fetch(
+        "SELECT id, ledger FROM rollouts WHERE id = ANY($1) AND ledger IS NOT NULL",
+        list(rollout_ids),
+    )
+    return {r["id"]: r["ledger"] for r in rows}
 
 
 async def renew(

@@ -50,6 +50,8 @@ class Progress(TrainerCallback):
             "version": announced[-1] if announced else None,
             "elapsed_s": round(time.monotonic() - self._started, 3),
             "metrics": {k: _number(v) for k, v in logs.items() if isinstance(v, int | float)},
+            # The ledgers of every rollout consumed so far: tokens trained, excluded by cause.
+            "consumed": dict(self.source.consumed),
         }
         with self.jsonl_path.open("a") as out:
             out.write(json.dumps(entry) + "\n")
@@ -75,6 +77,7 @@ class Progress(TrainerCallback):
             "versions": [announced[0], announced[-1]] if announced else [],
             "gateways": self.transfer.announcer.gateways,
             "source": dict(self.source.stats),
+            "consumed": dict(self.source.consumed),
             "checkpoint": str(checkpoint) if checkpoint else None,
         }
 
@@ -94,6 +97,7 @@ class Progress(TrainerCallback):
             f"{stats.get('redelivered_groups', 0)} groups delivered again after a crash, "
             f"{stats.get('quarantined_groups', 0)} quarantined, "
             f"{stats.get('db_errors', 0)} database errors retried",
+            _consumed_line(summary.get("consumed") or {}),
             f"  reward: first {_ENDS} steps {_fmt(summary['reward_first_steps'])}, "
             f"last {_ENDS} steps {_fmt(summary['reward_last_steps'])}",
             f"  policy versions {versions[0]}..{versions[-1]} announced to "
@@ -102,6 +106,17 @@ class Progress(TrainerCallback):
         if summary["checkpoint"]:
             lines.append(f"  trained model: {summary['checkpoint']}")
         return "\n".join(lines)
+
+
+def _consumed_line(consumed: dict) -> str:
+    excluded = sorted(((n, k.split("/", 1)[1]) for k, n in consumed.items()
+                       if k.startswith("excluded_tokens/") and n), reverse=True)
+    return (
+        f"  consumed {consumed.get('rollouts', 0)} rollouts "
+        f"({consumed.get('trained_nothing', 0)} trained nothing): "
+        f"{consumed.get('trained_tokens', 0)} tokens trained, excluded "
+        + (", ".join(f"{cause} {n}" for n, cause in excluded) or "none")
+    )
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:

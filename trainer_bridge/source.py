@@ -59,6 +59,7 @@ from gateway.store.traces import FINISHED_CHANNEL
 from trainer_bridge import deliveries
 from trainer_bridge.advantages import group_advantages
 from trainer_bridge.faults import crash_point
+from trainer_bridge.narration import Narrator, Waiting, group_account
 from trainer_bridge.samples import MergedSequence, Skip, rollout_samples, trained_mask
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class SourceConfig:
     version_offset: int = 0  # gateway version = trainer version + offset
     max_attempts: int = 5  # claims of a group before it is quarantined
     db_give_up_s: float = 600.0  # database unreachable this long: the source fails
+    report_every_s: float = 30.0  # what it waits for, or why it trains nothing, this often
 
     def __post_init__(self) -> None:
         if self.num_generations < 1:
@@ -96,6 +98,8 @@ class SourceConfig:
             raise ValueError("partial_groups must be 'train' or 'drop'")
         if self.group_deadline_s < 0 or self.lease_s <= 0 or self.poll_interval_s <= 0:
             raise ValueError("group_deadline_s, lease_s and poll_interval_s must be positive")
+        if self.report_every_s <= 0:
+            raise ValueError("report_every_s must be positive")
         if self.max_attempts < 1 or self.max_staleness < 0:
             raise ValueError("max_attempts must be at least 1 and max_staleness at least 0")
 
@@ -158,14 +162,18 @@ class Pending:
     rollout_id: UUID
     idx: int
     versions: np.ndarray
+    group: int = 0  # TRL's group id
+    tokens: int = 0  # the sample's length, for what waits for a step
     taken: bool = False
+    trained: int = 0  # set when the trainer takes it: tokens it trains, and those masked stale
+    stale: int = 0
 
 
 @dataclass
 class GroupBatch:
     samples: list[RolloutSample]
     pending: list[Pending]  # one per sample
-    skipped: list[tuple[UUID, int, deliveries.Outcome]]  # traces that will never train
+    skipped: list[deliveries.Entry]  # traces that will never train
     metrics: dict[str, float | tuple[float, float]]
     counts: Counter
 
@@ -188,7 +196,7 @@ def build_group(
     """
     samples: list[RolloutSample] = []
     pending: list[Pending] = []
-    skipped: list[tuple[UUID, int, deliveries.Outcome]] = []
+    skipped: list[deliveries.Entry] = []
     counts: Counter = Counter(rollouts=len(members))
     sequences, drift, transitions = [], 0, 0
     for member in members:
@@ -213,13 +221,14 @@ def build_group(
         for (idx, seq), reason in zip(indexed, reasons, strict=True):
             if reason is not None:
                 counts[_OUTCOME[reason]] += 1
-                skipped.append((member["id"], idx, _OUTCOME[reason]))
+                left_out = int(trained_mask(seq).sum())
+                skipped.append(deliveries.Entry(member["id"], idx, _OUTCOME[reason], 0, left_out))
                 continue
             sample = next(kept_seqs)
             sample.model_version -= config.version_offset
             samples.append(sample)
             versions = np.asarray(seq.versions, dtype=np.int64) - config.version_offset
-            pending.append(Pending(member["id"], idx, versions))
+            pending.append(Pending(member["id"], idx, versions, group_id, len(seq.input_ids)))
     counts["samples"] = len(samples)
     rewards = np.array([m["reward"] for m in members if m["reward"] is not None], np.float64)
     metrics: dict[str, float | tuple[float, float]] = {
@@ -297,7 +306,9 @@ class RolloutSource:
     `owner` names this bridge in leases and the delivery log (default: host, pid and a random
     suffix, so a restarted bridge never mistakes a dead one's leases for its own). `decode`
     turns token ids into text for TRL's sample logs. `stats` counts what was delivered and put
-    aside, for summaries.
+    aside, for summaries; `consumed` sums the ledgers of the rollouts this bridge consumed
+    (gateway/store/ledger.py). `say` prints what the bridge waits for and why what it consumed
+    trained nothing (trainer_bridge/narration.py).
     """
 
     def __init__(
@@ -306,6 +317,7 @@ class RolloutSource:
         *,
         owner: str | None = None,
         decode: Callable[[np.ndarray], str] | None = None,
+        say: Callable[[str], None] = lambda line: print(line, flush=True),
     ) -> None:
         self.config = config
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
@@ -315,6 +327,13 @@ class RolloutSource:
         self.rollout_buffer: DeliveryQueue = DeliveryQueue(self._take)
         self.metrics_queue: queue.Queue[dict] = queue.Queue()
         self.stats: Counter = Counter()
+        self.consumed: Counter = Counter()
+        self._accounted: set[UUID] = set()
+        self.narrator = Narrator(num_generations=config.num_generations,
+                                 token_budget=config.token_budget,
+                                 group_deadline_s=config.group_deadline_s,
+                                 every_s=config.report_every_s, say=say)
+        self._gathering = (0, 0, None)  # groups waiting for members, their rollouts, deadline
         self.model_version = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -327,7 +346,7 @@ class RolloutSource:
         self._lock = threading.Lock()
         self._numbers = itertools.count()
         self._pending: dict[int, Pending] = {}  # samples out, not acknowledged yet
-        self._put_aside: list[tuple[UUID, int, deliveries.Outcome]] = []  # logged at next ack
+        self._put_aside: list[deliveries.Entry] = []  # logged at next ack
         self._lease_until: dict[UUID, float] = {}  # monotonic time each lease is confirmed to
         self._abandoned: set[UUID] = set()  # leases to give back once nothing of theirs is out
         self._renewed_at = 0.0
@@ -386,14 +405,17 @@ class RolloutSource:
             trained = int(np.count_nonzero(sample.completion_mask))
             if not keep.any():
                 del self._pending[int(key)]
-                self._put_aside.append((out.rollout_id, out.idx, "stale"))
+                self._put_aside.append(deliveries.Entry(out.rollout_id, out.idx, "stale", 0,
+                                                        trained))
                 self.stats["stale"] += 1
                 self.stats["stale_tokens"] += trained
                 self.metrics_queue.put({"rollout/stale_samples_total": 1.0,
                                         "rollout/stale_tokens_total": float(trained)})
                 return None
             out.taken = True
-        stale = trained - int(np.count_nonzero(keep))
+            out.trained = int(np.count_nonzero(keep))
+            out.stale = trained - out.trained
+        stale = out.stale
         if stale:
             sample.completion_mask = keep.astype(np.int64)
             sample.old_log_probs = np.where(keep, sample.old_log_probs, 0.0).astype(np.float32)
@@ -413,7 +435,8 @@ class RolloutSource:
             for key in keys:
                 out = self._pending.pop(int(key), None)
                 if out is not None:
-                    entries.append((out.rollout_id, out.idx, "trained"))
+                    entries.append(deliveries.Entry(out.rollout_id, out.idx, "trained",
+                                                    out.trained, out.stale))
             trained = len(entries)
             entries += self._put_aside
             self._put_aside = []
@@ -425,17 +448,21 @@ class RolloutSource:
             raise RuntimeError(
                 f"cannot acknowledge step {step}: the rollout source is not running"
             ) from self._error
-        lost = asyncio.run_coroutine_threadsafe(
-            self._retry(lambda conn: deliveries.acknowledge(conn, self.owner, step, entries),
-                        f"acknowledging step {step}"),
-            loop,
+        async def log_step(conn):
+            lost = await deliveries.acknowledge(conn, self.owner, step, entries)
+            return lost, await deliveries.ledgers(conn, {e.rollout_id for e in entries})
+
+        lost, ledgers = asyncio.run_coroutine_threadsafe(
+            self._retry(log_step, f"acknowledging step {step}"), loop
         ).result()
+        self.narrator.stepped()
         with self._lock:
+            self._count_consumed(ledgers)
             self.stats["trained_samples"] += trained
             still_out = {p.rollout_id for p in self._pending.values()}
-            for rollout_id, _, _ in entries:
-                if rollout_id not in still_out:
-                    self._lease_until.pop(rollout_id, None)
+            for entry in entries:
+                if entry.rollout_id not in still_out:
+                    self._lease_until.pop(entry.rollout_id, None)
         if lost:
             # Trained, but the lease had run out: another bridge may train these too. The
             # delivery log marks them (leased = false).
@@ -443,6 +470,35 @@ class RolloutSource:
                       step, len(lost), ", ".join(sorted(map(str, lost))))
             self.stats["trained_without_lease"] += len(lost)
             self.metrics_queue.put({"rollout/trained_without_lease_total": float(len(lost))})
+
+    def _count_consumed(self, ledgers: Mapping[UUID, Mapping]) -> None:
+        """Add consumed rollouts' ledgers to `consumed`, each rollout once (lock held)."""
+        for rollout_id, ledger in ledgers.items():
+            if rollout_id in self._accounted:
+                continue
+            self._accounted.add(rollout_id)
+            self.consumed["rollouts"] += 1
+            self.consumed["trained_nothing"] += not ledger["trained_tokens"]
+            self.consumed["trained_tokens"] += ledger["trained_tokens"]
+            for cause, tokens in ledger["excluded_tokens"].items():
+                self.consumed[f"excluded_tokens/{cause}"] += tokens
+
+    def waiting(self) -> Waiting:
+        """What is out for the trainer and not in a logged step yet, and what waits for
+        members."""
+        with self._lock:
+            out = list(self._pending.values())
+        gathering, gathered, deadline_in = self._gathering
+        return Waiting(
+            samples=len(out),
+            tokens=sum(p.tokens for p in out),
+            longest=max((p.tokens for p in out), default=0),
+            rollouts=len({p.rollout_id for p in out}),
+            groups=len({p.group for p in out}),
+            gathering=gathering,
+            gathered=gathered,
+            deadline_in_s=deadline_in,
+        )
 
     # -- feeder thread --------------------------------------------------------------------------
 
@@ -483,6 +539,7 @@ class RolloutSource:
                     await self._keep_leases()
                     wait_s = await self._feed()
                     backoff.ok()
+                    self.narrator.tick(self.waiting())
                 except deliveries.TRANSIENT as exc:
                     self.stats["db_errors"] += 1
                     wait_s = backoff.failed("looking for rollouts", exc)
@@ -579,6 +636,13 @@ class RolloutSource:
         async with self._pool.acquire() as conn:
             groups = await deliveries.pending_groups(conn, self.config.match)
         wait_s = math.inf
+        gathering = [g for g in groups if not g["leased"] and not g["released"]
+                     and g["ready"] < self.config.num_generations]
+        self._gathering = (
+            len(gathering),
+            sum(g["ready"] for g in gathering),
+            min((self.config.group_deadline_s - g["waited_s"] for g in gathering), default=None),
+        )
         for group in groups:
             if self._stop.is_set():
                 break
@@ -619,6 +683,8 @@ class RolloutSource:
                                     config=config, decode=self.decode)
                 await deliveries.release_group(conn, self.owner, advantages, dropped,
                                                batch.skipped)
+                # Dropped members, and members with nothing to deliver, are consumed now.
+                ledgers = await deliveries.ledgers(conn, ids)
             except deliveries.LeaseLost as exc:
                 # The lease ran out and another bridge took the group: it delivers it.
                 log.warning("group %s: %s; leaving it to the new owner", group_key, exc)
@@ -648,6 +714,14 @@ class RolloutSource:
             self.rollout_buffer.put_nowait(sample)
         crash_point("after_put")
         self._account(decision, members, dropped, batch)
+        with self._lock:
+            self._count_consumed(ledgers)
+        offered = [(out.rollout_id, "trained", int(np.count_nonzero(sample.completion_mask)), 0)
+                   for sample, out in zip(batch.samples, batch.pending, strict=True)]
+        aside = [(e.rollout_id, e.outcome, e.trained_tokens, e.excluded_tokens)
+                 for e in batch.skipped]
+        trained, excluded = group_account(members, advantages, dropped, [*offered, *aside])
+        self.narrator.group_released(group_key, len(members), trained, excluded)
 
     def _report_quarantine(self, group_key: str, ids: list[UUID], attempts: int) -> None:
         log.error(

@@ -255,10 +255,11 @@ MIGRATIONS: list[tuple[int, str]] = [
         -- What the trainer bridge did with each consumed rollout (gateway/store/ledger.py):
         -- tokens trained and tokens excluded by cause, written when it is consumed.
         ALTER TABLE rollouts ADD COLUMN ledger jsonb;
-        -- Per delivered trace: the tokens the step trained, and those it masked as stale.
+        -- Per logged trace: the tokens the step trained, and those left out (masked stale, or
+        -- the whole trace put aside as stale or too long).
         ALTER TABLE deliveries
-            ADD COLUMN trained_tokens integer,
-            ADD COLUMN stale_tokens   integer;
+            ADD COLUMN trained_tokens  integer,
+            ADD COLUMN excluded_tokens integer;
         """,
     ),
 ]

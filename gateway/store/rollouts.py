@@ -130,3 +130,16 @@ async def set_policy_version(conn: asyncpg.Connection, version: int) -> None:
 
 async def count_by_status(conn: asyncpg.Connection) -> list[asyncpg.Record]:
     return await conn.fetch("SELECT status, count(*) AS count FROM rollouts GROUP BY status")
+
+
+async def ledger_totals(conn: asyncpg.Connection) -> list[tuple[str | None, int]]:
+    """Tokens of consumed rollouts (gateway/store/ledger.py): (None, trained) and (cause,
+    excluded) for each cause any ledger names."""
+    rows = await conn.fetch(
+        "SELECT NULL AS cause, coalesce(sum((ledger->>'trained_tokens')::bigint), 0) AS tokens"
+        " FROM rollouts WHERE ledger IS NOT NULL"
+        " UNION ALL"
+        " SELECT e.key, sum(e.value::bigint) FROM rollouts,"
+        " jsonb_each_text(ledger->'excluded_tokens') AS e WHERE ledger IS NOT NULL GROUP BY 1"
+    )
+    return [(r["cause"], int(r["tokens"])) for r in rows]

@@ -1,0 +1,103 @@
+"""Tests of trainer_bridge.narration: what the bridge says while it trains nothing (pure, with a
+clock of the test's own)."""
+
+from collections import Counter
+
+from trainer_bridge.narration import Narrator, Waiting, group_account
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _narrator(lines, clock, **kw):
+    return Narrator(num_generations=4, token_budget=256, group_deadline_s=600, say=lines.append,
+                    clock=clock, **kw)
+
+
+def test_a_useless_group_gets_one_line_per_cause_at_most_every_30_s_with_a_count():
+    lines, clock = [], Clock()
+    narrator = _narrator(lines, clock)
+    narrator.group_released("g1", 4, 0, {"auxiliary": 64})
+    assert len(lines) == 1
+    assert lines[0].startswith("rolltap bridge: group g1 (4 rollouts) gives the trainer no "
+                               "trainable token: excluded auxiliary 64.")
+    assert "--train-auxiliary" in lines[0]
+    for k in range(3):
+        clock.now += 5
+        narrator.group_released(f"g{k + 2}", 4, 0, {"auxiliary": 64})
+    narrator.group_released("c", 4, 0, {"constrained": 9, "auxiliary": 1})  # another cause
+    assert len(lines) == 2 and "--train-constrained" in lines[1]
+    clock.now = 31
+    narrator.group_released("g9", 4, 0, {"auxiliary": 64})
+    assert len(lines) == 3 and "(and 3 more such groups since the last line)" in lines[2]
+    narrator.group_released("fine", 4, 10, {"auxiliary": 64})  # trained something: silent
+    assert len(lines) == 3
+
+
+def test_a_run_of_useless_groups_warns_every_30_s():
+    lines, clock = [], Clock()
+    narrator = _narrator(lines, clock, window=3)
+    idle = Waiting(0, 0, 0, 0, 0)
+    for k in range(3):
+        narrator.group_released(f"g{k}", 4, 0, {"zero_advantage": 10})
+    lines.clear()
+    narrator.stepped()
+    narrator.tick(idle)
+    [warning] = lines
+    assert warning.startswith("rolltap bridge: warning: the last 3 groups this bridge consumed "
+                              "trained nothing (excluded zero_advantage 30)")
+    clock.now += 10
+    narrator.tick(idle)
+    assert len(lines) == 1
+    narrator.group_released("ok", 4, 5, {})
+    clock.now += 30
+    narrator.stepped()
+    narrator.tick(idle)
+    assert len(lines) == 1  # a group trained: no warning
+
+
+def test_a_bridge_short_of_a_step_says_what_is_buffered_and_what_a_step_needs():
+    lines, clock = [], Clock()
+    narrator = _narrator(lines, clock)
+    buffered = Waiting(samples=4, tokens=150, longest=40, rollouts=4, groups=1, gathering=2,
+                       gathered=5, deadline_in_s=540)
+    clock.now = 29
+    narrator.tick(buffered)
+    assert lines == []
+    clock.now = 30
+    narrator.tick(buffered)
+    [line] = lines
+    assert line == (
+        "rolltap bridge: no optimizer step for 30 s. Buffered: 4 samples, 150 tokens, of 4 "
+        "rollouts in 1 groups; a step needs more than --token-budget 256 tokens (short by 107: "
+        "more rollouts, or --token-budget 75 to train on what is here). 2 groups wait for their "
+        "members (5 rollouts finished, --num-generations 4, the first released at "
+        "--group-deadline in 540 s)")
+    clock.now = 45
+    narrator.stepped()
+    clock.now = 74
+    narrator.tick(buffered)
+    assert len(lines) == 1  # a step came 29 s ago
+    clock.now = 75
+    narrator.tick(Waiting(0, 0, 0, 0, 0))
+    assert lines[-1].endswith("No finished rollout waits: is the runner producing any?")
+
+
+def test_a_group_account_sums_its_members_ledgers():
+    members = [{"id": "a", "merge_stats": {"trained_tokens": 5,
+                                           "excluded_by_cause": {"auxiliary": 3}}},
+               {"id": "b", "merge_stats": {"trained_tokens": 0,
+                                           "excluded_by_cause": {"auxiliary": 7}}},
+               {"id": "c", "merge_stats": {"trained_tokens": 4}}]
+    trained, excluded = group_account(members, {"a": 1.0, "b": -1.0}, {"c"},
+                                      [("a", "trained", 5, 0)])
+    assert trained == 5
+    assert +excluded == Counter(auxiliary=10, dropped=4)
+    trained, excluded = group_account(members[:2], {"a": 0.0, "b": 0.0}, (),
+                                      [("a", "trained", 5, 0)])
+    assert trained == 0 and excluded["zero_advantage"] == 5
