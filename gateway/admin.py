@@ -22,7 +22,7 @@ from gateway.store import calls as calls_store
 from gateway.store import rollouts as rollouts_store
 from gateway.store import traces as traces_store
 from gateway.store import values
-from gateway.store.ledger import merge_reason
+from gateway.store.ledger import rollout_reason
 
 routes = web.RouteTableDef()
 
@@ -142,9 +142,7 @@ async def _summary(svc: Services, rollout_id: uuid.UUID) -> dict:
         "side_calls": row["side_calls"],
         # What the bridge gave the trainer once it consumed the rollout, else what the merge left.
         "ledger": row["ledger"],
-        "trained_nothing": (row["ledger"] or {}).get("reason")
-        if row["ledger"]
-        else merge_reason(row["merge_stats"]),
+        "trained_nothing": rollout_reason(row),
         "continuation": continuation_counts(c["continuation"] for c in calls),
         "calls": calls,
     }

@@ -84,6 +84,8 @@ def format_show(data: dict, tokens: bool = False, colour: bool = True) -> str:
         *(f"  {safe(k)}: {safe(json.dumps(v) if not isinstance(v, str) else v)}"
           for k, v in (r["metrics"] or {}).items()),
         f"merge: {json.dumps(r['merge_stats'])}" if r["merge_stats"] else "merge: not merged",
+        *([f"trainer: {json.dumps(r['ledger'])}"] if r.get("ledger") else []),
+        *([safe(r["trained_nothing"])] if r.get("trained_nothing") else []),
         "calls:",
         f"  {'seq':>3}  {'status':7}  {'latency':>8}  {'ttft':>7}  {'prompt':>6}  "
         f"{'sampled':>7}  {'continuation':24}  {'replica':24}  finish",

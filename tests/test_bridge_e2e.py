@@ -25,8 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 import asyncpg
 import httpx
 import numpy as np
+import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.store.tokens import ids_from_bytes
 from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
@@ -404,3 +406,120 @@ def test_a_bridge_killed_at_every_seam_trains_every_rollout_exactly_once(
     assert counts == sorted(counts) and counts[-1] > 0
     print(f"\ntrained in the delivery log after each crash: {trained_per_run}; "
           f"initial rollouts trained by {len(owners)} bridges: {sorted(owners.values())}")
+
+
+# -- plain chat trains; what trains nothing says why ------------------------------------------
+
+
+def _chat_group(admin: httpx.Client, run: str, group: str, size: int = 4, **spec) -> list[str]:
+    """`size` finished rollouts of one group, each one toolless chat call through the gateway
+    with the openai SDK (16 tokens), rewards 0 and 1 in turn."""
+    ids = []
+    for member in range(size):
+        created = admin.post("/admin/rollouts", json={
+            "task_id": "qa", "group_id": f"{run}-{group}", "metadata": {"run": run}, **spec})
+        assert created.status_code == 201, created.text
+        rollout = created.json()
+        client = openai.OpenAI(base_url=rollout["openai_base_url"], api_key=rollout["api_key"],
+                               max_retries=0, timeout=120)
+        client.chat.completions.create(
+            model=TINY_MODEL_NAME, max_tokens=16, temperature=1.0,
+            messages=[{"role": "user", "content": f"What is {group} plus {member}?"}])
+        finished = admin.post(f"/admin/rollouts/{rollout['rollout_id']}/finish",
+                              json={"reward": float(member % 2)})
+        assert finished.status_code == 200, finished.text
+        ids.append(rollout["rollout_id"])
+    return ids
+
+
+def _wait_for_line(log_path, bridge, needle: str, since: int, timeout: float) -> tuple[str, int]:
+    """The first line of the bridge's output after character `since` that holds `needle`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = log_path.read_text()
+        for line in text[since:].splitlines():
+            if needle in line:
+                return line, len(text)
+        assert bridge.poll() is None, text[-4000:]
+        assert time.monotonic() < deadline, f"no line with {needle!r}:\n{text[-4000:]}"
+        time.sleep(0.5)
+
+
+def test_plain_chat_rollouts_train_and_a_group_of_side_calls_says_why_it_does_not(
+        untied_model, replicas, training_gateway, database_url, tmp_path):
+    run = uuid.uuid4().hex[:12]
+    admin = httpx.Client(base_url=training_gateway.url, timeout=60,
+                         headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    base = admin.get("/admin/policy").json()["version"]
+    # A tool-using harness whose every rollout died after its toolless title call.
+    side = _chat_group(admin, run, "side", side_calls="toolless")
+    out, log_path = tmp_path / "bridge", tmp_path / "bridge.log"
+    command = [
+        sys.executable, "-m", "trainer_bridge.cli", "bridge",
+        "--model", str(untied_model), "--gateway", training_gateway.url,
+        "--vllm", replicas[0], "--vllm", replicas[1],
+        "--admin-key", ADMIN_KEY, "--database-url", database_url,
+        "--num-generations", "4", "--max-steps", "2", "--token-budget", "256",
+        "--weight-sync", "disk", "--threads", "1", "--match", f"run={run}",
+        "--output-dir", str(out),
+    ]
+    with log_path.open("w") as log:
+        bridge = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        # The side-call group is consumed, and within 30 s one line names the cause and the
+        # flag that changes it.
+        deadline = time.monotonic() + 240
+        while not admin.get(f"/admin/rollouts/{side[0]}").json()["ledger"]:
+            assert bridge.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, "the side-call group was never consumed"
+            time.sleep(0.5)
+        line, seen = _wait_for_line(log_path, bridge, "gives the trainer no trainable token",
+                                    0, timeout=30)
+        assert f"group {run}-side (4 rollouts)" in line and "excluded auxiliary" in line
+        assert "--train-auxiliary" in line
+        for rid in side:
+            summary = admin.get(f"/admin/rollouts/{rid}").json()
+            assert summary["ledger"]["trained_tokens"] == 0
+            assert summary["ledger"]["excluded_tokens"]["auxiliary"] > 0
+            assert summary["trained_nothing"].startswith("trained nothing: ")
+            assert "excluded as auxiliary" in summary["trained_nothing"]
+
+        # One group of plain chat rollouts, less than a step: the bridge says what it holds and
+        # what a step needs, within 30 s.
+        first = _chat_group(admin, run, "plain-0")
+        tokens = sum(len(s["input_ids"]) for rid in first
+                     for s in admin.get(f"/admin/rollouts/{rid}/traces").json()["sequences"])
+        assert tokens <= 256, "a group of this test must be less than a step"
+        line, seen = _wait_for_line(log_path, bridge, f"Buffered: 4 samples, {tokens} tokens",
+                                    seen, timeout=35)
+        assert "a step needs more than --token-budget 256 tokens" in line
+
+        # The other 28 rollouts: 32 toolless single-call rollouts make two steps.
+        for group in range(1, 8):
+            _chat_group(admin, run, f"plain-{group}")
+        try:
+            code = bridge.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the bridge did not finish:\n{log_path.read_text()[-4000:]}")
+    finally:
+        if bridge.poll() is None:
+            bridge.kill()
+    assert code == 0, log_path.read_text()[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["versions"] == [base + 1, base + 3]
+    assert admin.get("/admin/policy").json()["version"] == base + 3
+
+    # Every consumed rollout is accounted for, in the database, progress.jsonl and /metrics.
+    consumed = summary["consumed"]
+    assert consumed["trained_tokens"] > 0 and consumed["excluded_tokens/auxiliary"] > 0
+    assert consumed["trained_nothing"] >= 4
+    steps = [json.loads(line) for line in (out / "progress.jsonl").read_text().splitlines()]
+    assert steps[-1]["consumed"]["trained_tokens"] > 0
+    ledgers = [admin.get(f"/admin/rollouts/{rid}").json()["ledger"] for rid in first]
+    assert all(ledger["trained_tokens"] > 0 for ledger in ledgers)
+    time.sleep(10.5)  # the database-derived gauges are refreshed at most every 10 s
+    metrics = {(s.name, s.labels.get("cause")): s.value for family in
+               text_string_to_metric_families(admin.get("/metrics").text)
+               for s in family.samples}
+    assert metrics[("rolltap_consumed_excluded_tokens", "auxiliary")] > 0
+    assert metrics[("rolltap_consumed_trained_tokens", None)] > 0

@@ -249,6 +249,9 @@ def test_inspect_prints_the_same_information(viewer_gateway, recorded):
     # A terminal escape recorded by an agent is printed escaped, never raw.
     hostile = _inspect(gw, "show", recorded["failed"])
     assert "\x1b" not in hostile and "\\x1b]0;pwned" in hostile
+    # A rollout that trains nothing says why in one line; one that trains says nothing of it.
+    assert "trained nothing: no call of this rollout sampled a token" in hostile.splitlines()
+    assert "trained nothing" not in shown
     denied = subprocess.run(
         [sys.executable, "-m", "gateway.cli", "inspect", "--gateway", gw.url,
          "--admin-key", "rt-not-admin", "list"], capture_output=True, text=True, timeout=60)

@@ -88,3 +88,11 @@ def merge_reason(merge_stats: Mapping | None) -> str | None:
     return nothing_trained(
         int(merge_stats.get("trained_tokens") or 0), merge_stats.get("excluded_by_cause") or {}
     )
+
+
+def rollout_reason(row: Mapping) -> str | None:
+    """A rollout's one line on why it trained nothing: its ledger's once a bridge consumed it,
+    else what its merge left to train (None: something trains, or it is not merged)."""
+    if row["ledger"]:
+        return row["ledger"].get("reason")
+    return merge_reason(row["merge_stats"])

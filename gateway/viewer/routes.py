@@ -21,6 +21,7 @@ from gateway.store import calls as calls_store
 from gateway.store import listing
 from gateway.store import rollouts as rollouts_store
 from gateway.store import traces as traces_store
+from gateway.store.ledger import rollout_reason
 from gateway.viewer import session, vocab
 
 routes = web.RouteTableDef()
@@ -210,6 +211,8 @@ async def rollout_detail(request: web.Request) -> web.Response:
                 "created_at": row["created_at"].isoformat(),
                 "finished_at": row["finished_at"] and row["finished_at"].isoformat(),
                 "merge_stats": row["merge_stats"],
+                "ledger": row["ledger"],
+                "trained_nothing": rollout_reason(row),
             },
             "calls": calls,
             "sequences": [_sequence(t, by_id) for t in traces],

@@ -339,7 +339,10 @@ async function showRollout(app, id) {
     r.metrics ? el("div", { id: "verifier" }, kv(r.metrics))
       : el("p", { class: "muted", id: "verifier", text: "none recorded" }),
     el("h2", { text: "Merge" }),
+    r.trained_nothing ? el("p", { id: "trained-nothing", text: r.trained_nothing }) : "",
     r.merge_stats ? kv(r.merge_stats) : el("p", { class: "muted", text: "not merged" }),
+    r.ledger ? el("div", { id: "ledger" }, el("h3", { text: "Given to the trainer" }),
+      kv({ trained_tokens: r.ledger.trained_tokens, ...r.ledger.excluded_tokens })) : "",
     el("h2", { text: "Calls" }), timeline(data.calls),
     el("h2", { text: "Merged sequences" }), sequences(data),
     el("h2", { text: "Conversation as the harness sent it" }), conversation(data.calls));
