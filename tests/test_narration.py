@@ -75,7 +75,8 @@ def test_a_bridge_short_of_a_step_says_what_is_buffered_and_what_a_step_needs():
     assert line == (
         "rolltap bridge: no optimizer step for 30 s. Buffered: 4 samples, 150 tokens, of 4 "
         "rollouts in 1 groups; a step needs more than --token-budget 256 tokens (short by 107: "
-        "more rollouts, or --token-budget 75 to train on what is here). 2 groups wait for their "
+        "more rollouts, or restart with --token-budget 75 to train on what is here: nothing a "
+        "step has not logged is lost). 2 groups wait for their "
         "members (5 rollouts finished, --num-generations 4, the first released at "
         "--group-deadline in 540 s)")
     clock.now = 45
@@ -86,6 +87,9 @@ def test_a_bridge_short_of_a_step_says_what_is_buffered_and_what_a_step_needs():
     clock.now = 75
     narrator.tick(Waiting(0, 0, 0, 0, 0))
     assert lines[-1].endswith("No finished rollout waits: is the runner producing any?")
+    clock.now = 200
+    narrator.tick(Waiting(4, 150, 40, 4, 1, trainer_waiting=False))  # a long step runs
+    assert len(lines) == 2
 
 
 def test_a_group_account_sums_its_members_ledgers():

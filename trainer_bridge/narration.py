@@ -7,8 +7,9 @@ what to say and when (pure, with a clock given); the rollout source feeds it and
 - A group that contributes no trainable token: one line naming the cause and what changes it,
   at most one per cause every `every_s`, with the count of such groups since the last line.
 - The last `window` released groups all trained nothing: a warning every `every_s`.
-- No optimizer step for `every_s`: what is buffered (samples, tokens, rollouts, groups), what
-  waits for members, and what a step needs, every `every_s`.
+- No optimizer step for `every_s` while the trainer waits for samples (not while a long step
+  runs): what is buffered (samples, tokens, rollouts, groups), what waits for members, and what a
+  step needs, every `every_s`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Waiting:
     gathering: int = 0  # groups with finished members that wait for the rest
     gathered: int = 0  # finished rollouts in those groups
     deadline_in_s: float | None = None  # until the first of them is released partial
+    # The trainer is blocked for its next sample, not busy with a long step.
+    trainer_waiting: bool = True
 
 
 def _causes(excluded: Mapping[str, int]) -> str:
@@ -107,7 +110,7 @@ class Narrator:
                 f"trained nothing (excluded {_causes(excluded)}). What changes it: "
                 f"{FLAGS.get(cause, 'rollouts whose calls sample tokens')}"
             )
-        if now - self._waiting_said_at >= self.every_s:
+        if waiting.trainer_waiting and now - self._waiting_said_at >= self.every_s:
             self._waiting_said_at = now
             self.say(self.waiting_line(waiting, now - self._since))
 
@@ -123,8 +126,8 @@ class Narrator:
             # the budget is dropped: a budget in [longest, tokens) steps on what is here.
             if w.longest < w.tokens:
                 line += (
-                    f", or --token-budget {max(w.longest, w.tokens // 2)} to train on what "
-                    "is here"
+                    f", or restart with --token-budget {max(w.longest, w.tokens // 2)} to "
+                    "train on what is here: nothing a step has not logged is lost"
                 )
             line += ")"
 

@@ -266,14 +266,20 @@ class DeliveryQueue(queue.Queue):
     def __init__(self, take: Callable[[RolloutSample], RolloutSample | None]) -> None:
         super().__init__()
         self._take = take
+        # The trainer is blocked here for its next sample (not busy with a step).
+        self.trainer_waiting = False
 
     def get(self, block: bool = True, timeout: float | None = None) -> RolloutSample:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            sample = self._take(super().get(block, left))
-            if sample is not None:
-                return sample
+        self.trainer_waiting = True
+        try:
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                sample = self._take(super().get(block, left))
+                if sample is not None:
+                    return sample
+        finally:
+            self.trainer_waiting = False
 
 
 class _Backoff:
@@ -490,6 +496,7 @@ class RolloutSource:
             out = list(self._pending.values())
         gathering, gathered, deadline_in = self._gathering
         return Waiting(
+            trainer_waiting=self.rollout_buffer.trainer_waiting,
             samples=len(out),
             tokens=sum(p.tokens for p in out),
             longest=max((p.tokens for p in out), default=0),
