@@ -66,7 +66,8 @@ class StandInAdminAPI:
         rid, key = str(uuid.uuid4()), f"rk-{uuid.uuid4().hex}"
         self.rollouts[rid] = {"rollout_id": rid, "task_id": body["task_id"],
                               "group_id": body["group_id"], "metadata": body["metadata"],
-                              "timeout_s": body["timeout_s"], "status": "running",
+                              "timeout_s": body["timeout_s"], "side_calls": body["side_calls"],
+                              "status": "running",
                               "reward": None, "metrics": None, "calls": []}
         self.by_key[key] = rid
         self.in_flight += 1
@@ -186,6 +187,8 @@ async def test_groups_concurrency_calls_and_summary(admin_api, harness, monkeypa
     rollouts = list(admin_api.rollouts.values())
     assert len(rollouts) == 12
     assert {(r["status"], r["reward"]) for r in rollouts} == {("finished", 1.0)}
+    # A python agent's toolless calls are left to the gateway's rule (npm presets: toolless).
+    assert {r["side_calls"] for r in rollouts} == {"auto"}
 
     groups: dict[tuple, set] = {}
     for r in rollouts:
