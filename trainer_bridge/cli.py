@@ -133,23 +133,30 @@ def _trainer_sampling(config) -> dict[str, float]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
+    from trainer_bridge import preflight
     from trainer_bridge.config import BridgeConfig
 
+    preflight.silence_checked_vllm_warning()
     try:
         config = BridgeConfig.from_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if not args.print_config:
+        if not config.admin_key:
+            print("error: --admin-key (or ROLLTAP_ADMIN_KEY) is required", file=sys.stderr)
+            return 2
+        # Before torch and the model load: what is not there is said within seconds.
+        if problems := preflight.problems(config):
+            print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
+            return 2
+    import torch
+
     device = training_device(config.weight_sync, torch.cuda.is_available())
     if args.print_config:
         print(json.dumps(resolved_config(config, device), indent=2), flush=True)
         return 0
     _offline(device)
-    if not config.admin_key:
-        print("error: --admin-key (or ROLLTAP_ADMIN_KEY) is required", file=sys.stderr)
-        return 2
     if config.weight_sync == "nccl":
         if not torch.cuda.is_available():
             print("error: --weight-sync nccl needs CUDA (TRL's NCCL transfer runs between GPUs); "
