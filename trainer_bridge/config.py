@@ -36,6 +36,13 @@ def _key_value(text: str) -> tuple[str, object]:
         return key, value
 
 
+def match_arg(key: str, value: object) -> str:
+    """The `--match` argument selecting metadata `key` equal to `value`, type included. VALUE
+    is read as JSON where it parses, so a text id written bare may come back a number (the
+    hex id 64309107) and then match nothing; written as JSON it stays what it was."""
+    return f"{key}={json.dumps(value)}"
+
+
 _WHERE, _TRAIN, _GROUPS, _WEIGHTS = (
     "where things are", "training", "rollouts and groups", "weights")
 
