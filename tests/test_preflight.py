@@ -13,6 +13,7 @@ import sys
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sandbox.preflight import model_problem
 from tests.support.gateway import ADMIN_KEY, REPO, free_port
 from trainer_bridge import preflight
 from trainer_bridge.preflight import checked_pair, shape_problem
@@ -106,6 +107,15 @@ def test_bridge_against_an_unreachable_database(gateway, vllm_server):
                              f"postgresql://postgres:secret@127.0.0.1:{free_port()}/rolltap"))
     assert "cannot connect to the database at postgresql://127.0.0.1:" in line
     assert "secret" not in line  # the password is not shown
+
+
+@given(st.text(min_size=1), st.lists(st.text(min_size=1), max_size=3),
+       st.lists(st.text(min_size=1), max_size=2))
+def test_a_model_problem_exactly_when_no_replica_serves_the_model(model, served, upstreams):
+    problem = model_problem("http://gw", model, served, upstreams)
+    assert (problem is None) == (model in served)
+    if problem is not None and served:
+        assert all(repr(name) in problem for name in served)  # what to ask for instead
 
 
 _SHAPE = st.fixed_dictionaries({name: st.integers(1, 4) for name in preflight._SHAPE_FIELDS})
