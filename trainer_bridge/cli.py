@@ -142,14 +142,6 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not args.print_config:
-        if not config.admin_key:
-            print("error: --admin-key (or ROLLTAP_ADMIN_KEY) is required", file=sys.stderr)
-            return 2
-        # Before torch and the model load: what is not there is said within seconds.
-        if problems := preflight.problems(config):
-            print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
-            return 2
     import torch
 
     device = training_device(config.weight_sync, torch.cuda.is_available())
@@ -157,6 +149,9 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(resolved_config(config, device), indent=2), flush=True)
         return 0
     _offline(device)
+    if not config.admin_key:
+        print("error: --admin-key (or ROLLTAP_ADMIN_KEY) is required", file=sys.stderr)
+        return 2
     if config.weight_sync == "nccl":
         if not torch.cuda.is_available():
             print("error: --weight-sync nccl needs CUDA (TRL's NCCL transfer runs between GPUs); "
@@ -166,6 +161,10 @@ def _run(args: argparse.Namespace) -> int:
             print("error: --weight-sync nccl talks to exactly one vLLM; use --weight-sync disk "
                   "for several replicas", file=sys.stderr)
             return 2
+    # Before the model loads: what is not there is said within seconds.
+    if problems := preflight.problems(config):
+        print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
+        return 2
     if config.threads:
         torch.set_num_threads(config.threads)
     _interrupt_on_sigterm()
