@@ -1,4 +1,6 @@
-"""The live replica set: `GET/POST/DELETE /admin/upstreams` (admin key).
+"""The live replica set: `GET/POST/DELETE /admin/upstreams` (admin key), and `GET
+/admin/models`, the models its available replicas serve (a runner checks its --model there
+before its first rollout).
 
 POST adds a replica, or with `"draining": true` stops new calls to it while its in-flight calls
 finish (its rollouts move on their next call, recorded as rerouted). DELETE removes it.
@@ -39,6 +41,13 @@ def _listing(svc) -> web.Response:
 @routes.get("/admin/upstreams")
 async def list_upstreams(request: web.Request) -> web.Response:
     return _listing(_services(request))
+
+
+@routes.get("/admin/models")
+async def list_models(request: web.Request) -> web.Response:
+    svc = _services(request)
+    return _json({"models": sorted(await svc.upstreams.served_models()),
+                  "upstreams": list(svc.upstreams.urls)})
 
 
 @routes.post("/admin/upstreams")

@@ -403,8 +403,15 @@ def main(args: argparse.Namespace) -> int:
     except ConfinementError as exc:
         print(f"rolltap rollouts: {exc}", file=sys.stderr)
         return 2
+    from sandbox.preflight import PreflightError, check_gateway
+
     try:
+        # Once, before the first rollout: a wrong address or key would fail every one of them.
+        asyncio.run(check_gateway(args.gateway, admin_key, args.model))
         return asyncio.run(_run(args, tasks, harness, admin_key, backend))
+    except PreflightError as exc:
+        print(f"rolltap rollouts: {exc}", file=sys.stderr)
+        return 2
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted", file=sys.stderr)
         return 130

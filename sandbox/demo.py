@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from trainer_bridge.serve_model import die_with_parent
+
 EXAMPLE_TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks" / "tasks.jsonl"
 
 DEMO_TOOL = {
@@ -104,7 +106,9 @@ def _wait_http(url: str, proc: subprocess.Popen, log: Path, what: str, timeout: 
 
 
 class _Processes:
-    """Child processes of the demo, each in its own process group, stopped in reverse order."""
+    """Child processes of the demo, each in its own process group (a Ctrl-C in the terminal
+    reaches the demo, which stops them in its own time), each sent SIGTERM by the kernel when
+    the demo dies, even by SIGKILL (`die_with_parent`): nothing of the demo outlives it."""
 
     def __init__(self) -> None:
         self._procs: list[subprocess.Popen] = []
@@ -112,18 +116,27 @@ class _Processes:
     def start(self, args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
         # Secrets go by environment, never argv, where any local process could read them.
         proc = subprocess.Popen(args, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, **(env or {})})
+                                start_new_session=True, preexec_fn=die_with_parent(),
+                                env={**os.environ, **(env or {})})
         self._procs.append(proc)
         return proc
 
-    def stop_all(self) -> None:
-        for proc in reversed(self._procs):
-            if proc.poll() is None:
+    def stop_all(self, grace_s: float = 20.0) -> None:
+        """SIGTERM to every group at once, SIGKILL to what is left after `grace_s`: all
+        together, so the whole stop fits into the few seconds a parent's timeout allows."""
+        running = [proc for proc in self._procs if proc.poll() is None]
+        for proc in running:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + grace_s
+        for proc in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(deadline - time.monotonic(), 0))
+        for proc in self._procs:
+            # The group too: what a server started (vLLM's engine core) may outlive it.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _conversation(base_url: str, api_key: str, model: str, turns: int) -> None:
@@ -177,16 +190,46 @@ def _show_calls(admin, upstream: str, rollout_id: str) -> None:
           "prefix with an earlier call)")
 
 
+class Interrupted(Exception):
+    """A signal ended the demo: Ctrl-C, or SIGTERM or SIGHUP (a parent's timeout, a closed
+    terminal)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum: int, _frame) -> None:
+    # Only the first signal interrupts: the clean-up it starts (stopping the servers) is
+    # bounded and must not be cut short by the next one.
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def run(args: argparse.Namespace) -> int:
+    """Either demo; an interrupted one stops its servers (`finally` blocks) and says so in one
+    line, where the default actions would leave them running or print a traceback."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, _interrupt)
+    try:
+        if args.model == "smol":
+            from sandbox.real_demo import run_real
+
+            return run_real(args)
+        return _run_tiny(args)
+    except Interrupted as stop:
+        print(f"\nrolltap demo: interrupted by {stop}; its servers are stopped", file=sys.stderr,
+              flush=True)
+        return 128 + stop.signum
+
+
+def _run_tiny(args: argparse.Namespace) -> int:
     import httpx
 
-    # A SIGTERM ends the demo through its `finally` blocks, which stop the servers it started;
-    # the default action would leave them running.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    if args.model == "smol":
-        from sandbox.real_demo import run_real
-
-        return run_real(args)
     if args.train_steps is None:
         args.train_steps = 24
 
@@ -200,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
         _step(f"1/7 tiny model (offline) in {model_dir}")
         if not (model_dir / "model.safetensors").exists():
             # Untied by default: vLLM's CPU build can reload only an untied LM head in place.
-            subprocess.run([*rolltap, "tiny-model", str(model_dir)], check=True)
+            subprocess.run([*rolltap, "tiny-model", str(model_dir)], check=True,
+                           preexec_fn=die_with_parent())
         else:
             print("   already built")
 
@@ -246,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
              "--agent", "sandbox.agents.scripted:run", "--task", "fizzbuzz", "--group-size", "2",
              "--concurrency", "2", "--gateway", gateway, "--model", "tiny"],
             check=False, env={**os.environ, "ROLLTAP_ADMIN_KEY": admin_key},
+            preexec_fn=die_with_parent(),
         )
         print("   (the random tiny model writes no working code: rewards are 0, as expected)")
 
@@ -267,6 +312,7 @@ def _train(steps: int, workdir: Path, rolltap: list[str], procs: _Processes, mod
     the demo prints the reward of each step as the bridge logs it."""
     import threading
 
+    from trainer_bridge.config import match_arg
     from trainer_bridge.toy_task import ToyTask, run_toy_rollouts
 
     run_id = secrets.token_hex(4)
@@ -277,7 +323,8 @@ def _train(steps: int, workdir: Path, rolltap: list[str], procs: _Processes, mod
          "--data-dir", str(workdir / "data"), "--num-generations", "8",
          "--max-steps", str(steps), "--weight-sync", "disk",
          "--checkpoint-dir", str(out_dir / "checkpoints"), "--output-dir", str(out_dir),
-         "--match", f"run={run_id}", "--learning-rate", "2e-2", "--set", "epsilon_high=1.0",
+         "--match", match_arg("run", run_id), "--learning-rate", "2e-2",
+         "--set", "epsilon_high=1.0",
          "--token-budget", "420", "--queue-size", "24", "--threads", "1"],
         workdir / "bridge.log", env={"ROLLTAP_ADMIN_KEY": admin_key},
     )
@@ -290,23 +337,35 @@ def _train(steps: int, workdir: Path, rolltap: list[str], procs: _Processes, mod
     stop = threading.Event()
     task = ToyTask(gateway, admin_key, "tiny", model_dir, metadata={"run": run_id})
     results: list = []
-    player = threading.Thread(
-        target=lambda: results.extend(run_toy_rollouts(task, group_size=8, stop=stop)),
-        daemon=True)
+    failures: list[Exception] = []
+
+    def play() -> None:
+        try:
+            run_toy_rollouts(task, group_size=8, stop=stop, on_group=results.extend)
+        except Exception as exc:  # once stopped, the servers are going: not a failure then
+            if not stop.is_set():
+                failures.append(exc)
+
+    player = threading.Thread(target=play, daemon=True)
     player.start()
     progress, shown = out_dir / "progress.jsonl", 0
     print(f"   {'step':>4} {'reward':>7} {'policy version':>15}")
-    while bridge.poll() is None or shown < steps:
-        lines = progress.read_text().splitlines() if progress.exists() else []
-        for line in lines[shown:]:
-            entry = json.loads(line)
-            print(f"   {entry['step']:>4} {entry['reward'] or 0:7.3f} {entry['version']!s:>15}",
-                  flush=True)
-        shown = len(lines)
-        if bridge.poll() is not None:
-            break
-        time.sleep(1)
-    stop.set()
+    try:
+        while bridge.poll() is None or shown < steps:
+            lines = progress.read_text().splitlines() if progress.exists() else []
+            for line in lines[shown:]:
+                entry = json.loads(line)
+                print(f"   {entry['step']:>4} {entry['reward'] or 0:7.3f} "
+                      f"{entry['version']!s:>15}", flush=True)
+            shown = len(lines)
+            if bridge.poll() is not None:
+                break
+            if failures:  # no more rollouts: the bridge would wait for them forever
+                raise SystemExit(f"the toy agent failed: {failures[0]!r}; see "
+                                 f"{workdir / 'gateway.log'}")
+            time.sleep(1)
+    finally:
+        stop.set()
     player.join(600)
     if bridge.returncode:
         raise SystemExit(f"the bridge failed; see {workdir / 'bridge.log'}")

@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     from sandbox.demo import _free_port, _Processes, _wait_http, stop_embedded_postgres
+    from trainer_bridge.config import match_arg
     from trainer_bridge.serve_model import VllmStartError, start_vllm
     from trainer_bridge.tiny_model import write_tiny_model
     from trainer_bridge.toy_task import ToyTask, run_toy_rollouts
@@ -169,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
              "--gateway", gateway, "--data-dir", str(workdir / "data"),
              "--weight-sync", "nccl", "--max-steps", str(STEPS), "--num-generations", "8",
              "--learning-rate", "2e-2", "--token-budget", "420", "--queue-size", "24",
-             "--match", f"run={run_id}", "--output-dir", str(workdir / f"train-{run_id}")],
+             "--match", match_arg("run", run_id), "--output-dir", str(workdir / f"train-{run_id}")],
             bridge_log,
             env={"ROLLTAP_ADMIN_KEY": admin_key, "CUDA_VISIBLE_DEVICES": str(args.train_gpu)},
         )

@@ -31,6 +31,7 @@ from sandbox.demo import (
     _Processes,
     _step,
     _wait_http,
+    die_with_parent,
     stop_embedded_postgres,
 )
 
@@ -356,7 +357,8 @@ def run_real(args: argparse.Namespace) -> int:
     try:
         model_dir = workdir.parent / "smol-model"
         _step(f"1/6 SmolLM2-135M-Instruct in {model_dir} (rolltap smol-model)")
-        subprocess.run([*rolltap, "smol-model", str(model_dir)], check=True)
+        subprocess.run([*rolltap, "smol-model", str(model_dir)], check=True,
+                       preexec_fn=die_with_parent())
 
         vllm_port, gw_port = _free_port(), _free_port()
         upstream = f"http://127.0.0.1:{vllm_port}"

@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.store.tokens import ids_from_bytes
 from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
 from tests.support.vllm import TINY_MODEL_NAME
+from trainer_bridge.config import match_arg
 from trainer_bridge.serve_model import start_vllm
 from trainer_bridge.toy_task import ToyTask, run_toy_rollouts
 from trainer_bridge.weights import (
@@ -203,7 +204,7 @@ def test_toy_task_training_raises_the_reward(untied_model, replicas, training_ga
         # trainer, and with the usual 0.2 the tokens it already made likelier stop counting.
         "--learning-rate", "2e-2", "--set", "epsilon_high=1.0",
         "--token-budget", str(TOKEN_BUDGET), "--queue-size", "24", "--threads", "1",
-        "--match", f"run={run}", "--output-dir", str(out),
+        "--match", match_arg("run", run), "--output-dir", str(out),
     ]
     started = time.monotonic()
     with log_path.open("w") as log:
@@ -349,7 +350,7 @@ def test_a_bridge_killed_at_every_seam_trains_every_rollout_exactly_once(
         "--token-budget", "300", "--queue-size", "6", "--lease-seconds", "3",
         # Restarts count versions anew: the rollouts recorded before must not go stale.
         "--max-staleness", "1000000", "--max-attempts", "100", "--threads", "1",
-        "--match", f"run={run}",
+        "--match", match_arg("run", run),
     ]
     env = {**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY}
     trained_per_run = []

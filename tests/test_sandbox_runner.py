@@ -1,10 +1,10 @@
 """The rollout runner's orchestration, against a STAND-IN for the gateway's admin API.
 
 `StandInAdminAPI` below is not the gateway: it implements only the shape of the admin API the
-runner uses (create, finish, get; admin key checked) plus a trivial chat endpoint that counts
-calls per rollout key, so grouping, the concurrency bound, crash and timeout handling,
-interruption and resume can be checked with real sandboxes and real subprocesses. The runner
-against the real gateway is covered by the gateway's integration tests.
+runner uses (create, finish, get, the models it checks first; admin key checked) plus a trivial
+chat endpoint that counts calls per rollout key, so grouping, the concurrency bound, crash and
+timeout handling, interruption and resume can be checked with real sandboxes and real
+subprocesses. The runner against the real gateway is covered by the gateway's integration tests.
 """
 
 from __future__ import annotations
@@ -90,6 +90,11 @@ class StandInAdminAPI:
         self._admin(request)
         return web.json_response(self._summary(request.match_info["rid"]))
 
+    async def models(self, request: web.Request) -> web.Response:
+        self._admin(request)
+        # The model the runner CLI asks for by default, as the preflight checks it.
+        return web.json_response({"models": ["default"], "upstreams": []})
+
     async def chat(self, request: web.Request) -> web.Response:
         auth = request.headers.get("Authorization", "")
         rid = self.by_key.get(auth.removeprefix("Bearer "))
@@ -108,6 +113,7 @@ class StandInAdminAPI:
         app.router.add_post("/admin/rollouts", self.create)
         app.router.add_post("/admin/rollouts/{rid}/finish", self.finish)
         app.router.add_get("/admin/rollouts/{rid}", self.get)
+        app.router.add_get("/admin/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat)
         self._runner = web.AppRunner(app)
         await self._runner.setup()

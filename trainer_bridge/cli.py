@@ -133,15 +133,17 @@ def _trainer_sampling(config) -> dict[str, float]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
+    from trainer_bridge import preflight
     from trainer_bridge.config import BridgeConfig
 
+    preflight.silence_checked_vllm_warning()
     try:
         config = BridgeConfig.from_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    import torch
+
     device = training_device(config.weight_sync, torch.cuda.is_available())
     if args.print_config:
         print(json.dumps(resolved_config(config, device), indent=2), flush=True)
@@ -159,6 +161,10 @@ def _run(args: argparse.Namespace) -> int:
             print("error: --weight-sync nccl talks to exactly one vLLM; use --weight-sync disk "
                   "for several replicas", file=sys.stderr)
             return 2
+    # Before the model loads: what is not there is said within seconds.
+    if problems := preflight.problems(config):
+        print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
+        return 2
     if config.threads:
         torch.set_num_threads(config.threads)
     _interrupt_on_sigterm()

@@ -36,6 +36,13 @@ def _key_value(text: str) -> tuple[str, object]:
         return key, value
 
 
+def match_arg(key: str, value: object) -> str:
+    """The `--match` argument selecting metadata `key` equal to `value`, type included. VALUE
+    is read as JSON where it parses, so a text id written bare may come back a number (the
+    hex id 64309107) and then match nothing; written as JSON it stays what it was."""
+    return f"{key}={json.dumps(value)}"
+
+
 _WHERE, _TRAIN, _GROUPS, _WEIGHTS = (
     "where things are", "training", "rollouts and groups", "weights")
 
@@ -113,7 +120,9 @@ class BridgeConfig:
     partial_groups: Literal["train", "drop"] = field(default="train", metadata=_opt(
         "what an incomplete group at its deadline becomes", _GROUPS, choices=("train", "drop")))
     match: dict = field(default_factory=dict, metadata=_opt(
-        "only rollouts whose metadata has KEY=VALUE (VALUE as JSON or text); repeatable",
+        "only rollouts whose metadata has KEY=VALUE (VALUE as JSON or text: a text value "
+        "that reads as JSON, like the id 64309107, goes in JSON quotes: run='\"64309107\"'); "
+        "repeatable",
         _GROUPS, metavar="KEY=VALUE", action="append", type=_key_value))
     queue_size: int = field(default=64, metadata=_opt(
         "claim new groups only while fewer than N samples wait for the trainer", _GROUPS,

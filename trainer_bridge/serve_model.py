@@ -15,6 +15,7 @@ trainer.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shlex
@@ -37,6 +38,7 @@ DEFAULT_CPU_KV_CACHE_GIB = 1
 DEFAULT_DTYPE = {"cpu": "float32", "gpu": "bfloat16"}
 NCCL_WEIGHT_TRANSFER = {"backend": "nccl"}
 _GIB = 1 << 30
+_PR_SET_PDEATHSIG = 1
 
 
 class VllmStartError(RuntimeError):
@@ -158,6 +160,22 @@ def _local_address(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
 
 
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A `preexec_fn` that has the kernel send `sig` to the child when its parent dies, however
+    it dies (a SIGKILL runs no clean-up of the parent's own). The parent is the thread that
+    starts the child: start it from a thread that lives as long as the child should."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not after
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the parent died before the prctl: nobody would signal
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as response:
@@ -242,12 +260,14 @@ def start_vllm(
     host: str = "127.0.0.1",
     device: str = "auto",
     log_path: str | Path | None = None,
+    with_parent: bool = False,
     **options,
 ) -> VllmProcess:
     """Start vLLM in the background (own process group, output to `log_path`); do not wait.
 
     `options` are `vllm_command`'s. Call `.wait_ready()` on the result before sending requests
-    and `.stop()` when done.
+    and `.stop()` when done. `with_parent`: vLLM gets SIGTERM (and stops its engine core) when
+    the calling thread's process dies, even by SIGKILL (`die_with_parent`).
     """
     argv, extra_env = vllm_command(
         model_dir, port, host=host, device=resolve_device(device), **options
@@ -265,6 +285,7 @@ def start_vllm(
         stdout=log_file,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=die_with_parent() if with_parent else None,
     )
     return VllmProcess(
         process=process,
@@ -299,7 +320,10 @@ def _run(args: argparse.Namespace) -> int:
             )
             print(shell_line(argv, env), flush=True)
             return 0
-        vllm = start_vllm(args.model_dir, args.port, log_path=args.log_file, **options)
+        # A `serve-model` killed outright (a demo's SIGKILL reaches it as SIGTERM, see
+        # sandbox/demo.py) must not leave its server behind.
+        vllm = start_vllm(args.model_dir, args.port, log_path=args.log_file, with_parent=True,
+                          **options)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
