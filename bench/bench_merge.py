@@ -4,13 +4,15 @@ Bytes counted per call: prompt ids 4 B/token; completion ids, logprobs and polic
 4 + 4 + 4 B per sampled token. "naive" stores every call's whole prompt; "linear" stores only the
 prompt tokens past the call's best base (best_base over the earlier calls, as the gateway does at
 record time); "traces" is the merged output, 13 B per sequence token (ids 4, mask 1, logprobs 4,
-versions 4). Row headers, compression and request bodies are not counted.
+versions 4). Row headers, compression and request bodies are not counted. "long rollout": one
+merge of 1k, 10k and 40k calls of modest length (long_rollout): its time and peak memory.
 
 Run: python -m bench.bench_merge
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import time
 
@@ -108,6 +110,69 @@ def rerendered_rollout(n_calls: int, max_context: int = 32_768, seed: int = 0) -
     return builder.calls
 
 
+def long_rollout(n_calls: int, turns: int = 16, seed: int = 0) -> list[CallTokens]:
+    """Many calls of modest length: conversations of `turns` turns on one short system prompt,
+    each compacted and started over, with a re-rendered answer (a fork) in one turn of ten and a
+    retry in one of thirty. The merge's cost in calls, not in context length."""
+    rng = np.random.default_rng(seed)
+    calls: list[CallTokens] = []
+    system = rng.integers(1, VOCAB, size=200, dtype=np.int32)
+
+    def call(prompt: np.ndarray) -> CallTokens:
+        n = len(calls) + 1
+        calls.append(CallTokens(
+            id=f"call-{n}", seq=n, prompt_ids=prompt,
+            completion_ids=rng.integers(1, VOCAB, size=16, dtype=np.int32),
+            logprobs=np.full(16, -0.5, dtype=np.float32),
+            versions=np.full(16, n // 100, dtype=np.int32), status="ok", offered_tools=True))
+        return calls[-1]
+
+    while len(calls) < n_calls:
+        context = np.concatenate([system, rng.integers(1, VOCAB, size=100, dtype=np.int32)])
+        for _ in range(min(turns, n_calls - len(calls))):
+            roll = rng.random()
+            if roll < 0.1 and len(calls) and context.size > system.size + 100:
+                context = context.copy()
+                context[-1] ^= 1  # the harness re-rendered the last answer
+            last = call(np.concatenate([context,
+                                        rng.integers(1, VOCAB, size=20, dtype=np.int32)]))
+            if roll > 0.97:
+                last = call(last.prompt_ids)  # retried
+            context = _full(last)
+    return calls[:n_calls]
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
+
+
+def _measure_merge(n_calls: int, out) -> None:
+    calls = long_rollout(n_calls)
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # the peak (VmHWM) starts again from what the rollout's input holds
+    before = _status_kib("VmRSS")
+    start = time.perf_counter()
+    result = merge(calls)
+    seconds = time.perf_counter() - start
+    out.send({"calls": n_calls, "seconds": seconds,
+              "peak_bytes": (_status_kib("VmHWM") - before) << 10,
+              "tokens": sum(c.prompt_ids.size + c.completion_ids.size for c in calls),
+              "sequences": result.stats.sequences})
+
+
+def scale(n_calls: int) -> dict:
+    """Time and peak memory of one merge of a long_rollout of `n_calls`, in a child process
+    of its own: the peak is how far its resident memory rose above what held the input."""
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_measure_merge, args=(n_calls, send))
+    child.start()
+    result = receive.recv()
+    child.join()
+    return result
+
+
 def stored_bytes(calls: list[CallTokens]) -> tuple[int, int, float]:
     """(naive, linear) bytes, and the seconds best_base took over the rollout."""
     naive = linear = 0
@@ -165,6 +230,14 @@ def run(print_fn=print) -> dict:
             f"{r['linear_bytes'] / 1e6:>11.2f}{r['naive_bytes'] / r['linear_bytes']:>7.1f}"
             f"{r['trace_bytes'] / 1e6:>11.2f}{r['sequences']:>6}{r['lost_tokens']:>6}  {causes}"
         )
+    print_fn("")
+    print_fn(f"{'long rollout':<14}{'calls':>8}{'tokens M':>10}{'merge s':>9}{'peak MiB':>10}"
+             f"{'B/token':>9}{'seqs':>7}")
+    for n in (1_000, 10_000, 40_000):
+        r = scale(n)
+        print_fn(f"{'':<14}{n:>8}{r['tokens'] / 1e6:>10.1f}{r['seconds']:>9.2f}"
+                 f"{r['peak_bytes'] / 2**20:>10.0f}{r['peak_bytes'] / r['tokens']:>9.1f}"
+                 f"{r['sequences']:>7}")
     return {r["scenario"]: r for r in rows}
 
 

@@ -3,7 +3,12 @@
 "process": one contained `true` (rlimits, cgroup, timeout, output capture), unconfined (under
 the reaper) and confined (bwrap with rolltap's python bound in, as root through the uid stage).
 "sandbox": a whole LocalBackend sandbox whose harness and verifier are both `true`: areas,
-relay, two phases, copy, clean-up. Medians over ROUNDS runs, in milliseconds.
+relay, two phases, copy, clean-up. "pytest": the same sandbox with a two-test pytest verifier
+run through rolltap's launcher with its two sentinels, the expected tests collected once per
+backend (the cached case a run sees); "pytest+collect": with a fresh backend each time, so the
+collection on the task's own files is paid too; "plain pytest": the same tests as a `binary`
+verifier (pytest run by the command, no launcher, report or sentinels), the baseline. Medians
+over ROUNDS runs, in milliseconds.
 
 Run: python -m bench.bench_sandbox
 """
@@ -26,10 +31,21 @@ from sandbox.presets import Harness
 from sandbox.process import run_contained
 from sandbox.tasks import Task, Verifier
 
-ROUNDS = 15
+ROUNDS = 9
 ACCESS = RolloutAccess("r", "k", "http://127.0.0.1:9/v1", "http://127.0.0.1:9")
 TASK = Task(id="bench", prompt="", files={"a.txt": b"a"},
             verifier=Verifier("true", "binary", {}))
+PYTEST_TASK = Task(
+    id="bench-pytest", prompt="", files={"is_even.py": b"def is_even(n):\n    return True\n"},
+    verifier=Verifier("python -I -m pytest -q", "pytest", {
+        "pytest.ini": b"[pytest]\npythonpath = .\ntestpaths = tests_hidden\n"
+                      b"addopts = -p no:cacheprovider\n",
+        "tests_hidden/test_is_even.py": b"from is_even import is_even\n\n"
+                                        b"def test_0():\n    assert is_even(2)\n\n"
+                                        b"def test_1():\n    assert not is_even(7)\n"}))
+PLAIN_TASK = Task(id="bench-plain", prompt="", files=PYTEST_TASK.files,
+                  verifier=Verifier(PYTEST_TASK.verifier.command, "binary",
+                                    PYTEST_TASK.verifier.files))
 
 
 async def _median_ms(make) -> float:
@@ -57,10 +73,12 @@ async def _process(confined: bool, workdir: str) -> None:
     assert outcome.exit_code == 0, outcome.stderr
 
 
-async def _sandbox(isolation: str) -> None:
+async def _sandbox(isolation: str, task: Task = TASK, backend: LocalBackend | None = None,
+                   reward: float = 1.0) -> None:
     harness = Harness(preset="command", model="m", command="true")
-    result = await LocalBackend(isolation=isolation).run(SandboxRequest(TASK, harness, ACCESS))
-    assert result.reward == 1.0, (result.reward_detail, result.agent and result.agent.stderr)
+    backend = backend or LocalBackend(isolation=isolation)
+    result = await backend.run(SandboxRequest(task, harness, ACCESS))
+    assert result.reward == reward, (result.reward_detail, result.agent and result.agent.stderr)
 
 
 async def _run(print_fn) -> None:
@@ -68,9 +86,18 @@ async def _run(print_fn) -> None:
         os.chmod(workdir, 0o777)
         process = [await _median_ms(lambda c=c: _process(c, workdir)) for c in (False, True)]
     sandbox = [await _median_ms(lambda i=i: _sandbox(i)) for i in ("none", "bwrap")]
-    print_fn(f"{'median ms':<12}{'unconfined':>12}{'confined':>12}{'extra':>10}")
-    for name, (plain, confined) in (("process", process), ("sandbox", sandbox)):
-        print_fn(f"{name:<12}{plain:>12.1f}{confined:>12.1f}{confined - plain:>10.1f}")
+    backends = {i: LocalBackend(isolation=i) for i in ("none", "bwrap")}
+    pytest = [await _median_ms(lambda i=i: _sandbox(i, PYTEST_TASK, backends[i], 0.5))
+              for i in ("none", "bwrap")]
+    collect = [await _median_ms(lambda i=i: _sandbox(i, PYTEST_TASK, None, 0.5))
+               for i in ("none", "bwrap")]
+    baseline = [await _median_ms(lambda i=i: _sandbox(i, PLAIN_TASK, None, 0.0))
+             for i in ("none", "bwrap")]
+    print_fn(f"{'median ms':<16}{'unconfined':>12}{'confined':>12}{'extra':>10}")
+    for name, (plain, confined) in (("process", process), ("sandbox", sandbox),
+                                    ("plain pytest", baseline), ("pytest", pytest),
+                                    ("pytest+collect", collect)):
+        print_fn(f"{name:<16}{plain:>12.1f}{confined:>12.1f}{confined - plain:>10.1f}")
     print_fn(f"({ROUNDS} rounds each; confined = bwrap --unshare-all"
              f"{', own uid via a root stage' if confine.own_uids() else ''})")
 

@@ -63,6 +63,9 @@ import msgspec
 import numpy as np
 
 CAUSES = ("drift", "rewrite", "independent", "abandoned")
+# Calls one rollout's merge takes: its memory is linear in the tokens, but its time grows with
+# calls times forks (about 10 s at 40,000 calls of a re-forking agent).
+MAX_CALLS = 50_000
 STATUSES = ("ok", "aborted", "failed")
 SIDE_CALLS = ("auto", "toolless", "none")
 SideCalls = Literal["auto", "toolless", "none"]
@@ -77,9 +80,6 @@ EXCLUSION_FLAGS = {
     "constrained": "the gateway's --train-constrained",
     "auxiliary": "the gateway's --train-auxiliary, or side_calls none on POST /admin/rollouts",
 }
-# Tokens compared per candidate before an exact prefix comparison; spread over the candidate's
-# full sequence, its last token included, they reject almost every non-prefix.
-_PROBES = 8
 _NONE = np.iinfo(np.int64).max
 
 
@@ -247,16 +247,25 @@ def best_base(
     return best_id, best
 
 
+class TooManyCalls(ValueError):
+    """A rollout with more calls than the merge takes (MAX_CALLS)."""
+
+
 def merge(calls: Sequence[CallTokens], options: MergeOptions = MergeOptions()) -> MergeResult:
-    """Merge one rollout's calls (any order) into training sequences; see the module docstring."""
+    """Merge one rollout's calls (any order) into training sequences; see the module docstring.
+    Raises TooManyCalls past MAX_CALLS: the rollout is then marked merge_failed with the reason."""
+    if len(calls) > MAX_CALLS:
+        raise TooManyCalls(f"{len(calls)} calls, more than the {MAX_CALLS} one rollout's merge "
+                           "takes: end rollouts sooner (a harness in a loop?) or split the task")
     ordered = sorted(calls, key=lambda c: (c.seq, c.id))
     if len({c.id for c in ordered}) != len(ordered):
         raise ValueError("duplicate call ids")
     live = [c for c in ordered if c.prompt_ids.size or c.completion_ids.size]
     packed = _Packed(live)
-    parent = _find_parents(packed)
-    lcp = _full_lcps(packed, parent)
-    forest = _Forest(packed, parent, lcp, np.array([c.offered_tools for c in live], dtype=bool))
+    prefixes = _Prefixes(packed)
+    parent = _find_parents(packed, prefixes)
+    forest = _Forest(packed, parent, prefixes,
+                     np.array([c.offered_tools for c in live], dtype=bool))
     retried = _retried(live, parent)
     abandoned = forest.abandoned | retried
     constrained = np.array([c.constrained for c in live], dtype=bool)
@@ -363,74 +372,76 @@ class _Packed:
         return self.tokens[self.off[i] : self.off[i] + self.P[i]]
 
 
-def _find_parents(packed: _Packed) -> np.ndarray:
-    """Index of each call's parent (-1 for a root); calls in (seq, id) order, none empty."""
+def _find_parents(packed: _Packed, prefixes: _Prefixes) -> np.ndarray:
+    """Index of each call's parent (-1 for a root); calls in (seq, id) order, none empty.
+
+    One pass over the full sequences in lexicographic order keeps a stack of those that open
+    the current one (a sequence's prefixes come before it, and what follows a sequence opens
+    the next only as far as the two share): the parent is the longest of them that the
+    current call's prompt holds whole. Identical sequences sit together in the stack.
+    """
     n = packed.F.size
     parent = np.full(n, -1, dtype=np.int64)
-    if n == 0:
-        return parent
-    spread = np.linspace(0.0, 1.0, _PROBES)
-    probe_pos = np.floor((packed.F - 1)[:, None] * spread).astype(np.int64)
-    probe_tok = packed.tokens[packed.off[:, None] + probe_pos]
-    index = np.arange(n)
-    for j in range(n):
-        candidate = packed.F <= packed.P[j]
-        candidate[j] = False
-        if packed.P[j] == packed.F[j]:
-            # Empty completion: a call with the same full sequence may be the parent only if it
-            # came first, or two such calls would be each other's parent.
-            candidate &= (packed.F < packed.F[j]) | (index < j)
-        ci = np.flatnonzero(candidate)
-        if ci.size == 0:
-            continue
-        ci = ci[(packed.tokens[packed.off[j] + probe_pos[ci]] == probe_tok[ci]).all(axis=1)]
-        prompt = packed.prompt(j)
-        for i in ci[np.lexsort((-ci, ci > j, -packed.F[ci]))]:
-            if np.array_equal(packed.full(i), prompt[: packed.F[i]]):
-                parent[j] = i
-                break
+    F, P = packed.F.tolist(), packed.P.tolist()
+    adjacent = prefixes.adjacent.tolist()
+    stack: list[int] = []
+    for k, j in enumerate(prefixes.order.tolist()):
+        while stack and F[stack[-1]] > adjacent[k]:
+            stack.pop()
+        top = len(stack)
+        while top:
+            length = F[stack[top - 1]]
+            bottom = top - 1
+            while bottom and F[stack[bottom - 1]] == length:
+                bottom -= 1
+            if length <= P[j]:
+                # Its identical copies: before j first, then the latest; with an empty
+                # completion, j's own copies only from before it (or two such calls would be
+                # each other's parent).
+                same = [i for i in stack[bottom:top] if length < F[j] or i < j]
+                if same:
+                    parent[j] = max(same, key=lambda i: (i < j, i))
+                    break
+            top = bottom
+        stack.append(j)
     return parent
 
 
-def _full_lcps(packed: _Packed, parent: np.ndarray) -> np.ndarray:
-    """lcp[i, j]: length of the common prefix of the full sequences of calls i and j.
+class _Prefixes:
+    """Common-prefix lengths between the calls' full sequences in memory linear in the calls:
+    with the sequences sorted lexicographically, the common prefix of two is the smallest of
+    the adjacent ones between them (not an n x n matrix: 13.5 GiB at 40,000 calls)."""
 
-    Row by row in arrival order, each from the row of a pivot q already done (the call's parent if
-    it came earlier, else the previous call): lcp(d, r) = min(lcp(d, q), lcp(q, r)) whenever the two
-    differ, and only ties are compared token by token (after a one-token check). A chain needs no
-    comparison at all, a rollout re-rendered at every turn one per call.
-    """
-    n = packed.F.size
-    lcp = np.zeros((n, n), dtype=np.int64)
-    np.fill_diagonal(lcp, packed.F)
-    for d in range(1, n):
-        q = int(parent[d]) if 0 <= parent[d] < d else d - 1
-        if q == parent[d]:
-            lam = int(packed.F[q])
-        else:
-            lam = common_prefix_len(packed.full(d), packed.full(q))
-        via = lcp[q, :d]
-        row = np.minimum(via, lam)
-        tie = np.flatnonzero(via == lam)
-        if tie.size and packed.F[d] > lam:
-            tie = tie[packed.F[tie] > lam]
-            same = packed.tokens[packed.off[tie] + lam] == packed.tokens[packed.off[d] + lam]
-            tail = packed.full(d)[lam:]
-            for r in tie[same]:
-                row[r] = lam + common_prefix_len(tail, packed.full(r)[lam:])
-        lcp[d, :d] = row
-        lcp[:d, d] = row
-    return lcp
+    def __init__(self, packed: _Packed) -> None:
+        n = packed.F.size
+        self.F = packed.F
+        # Fixed-width big-endian bytes order as the token sequences do, a prefix first.
+        order = sorted(range(n), key=lambda i: packed.full(i).astype(">i4").tobytes())
+        self.order = np.array(order, dtype=np.int64)
+        self.rank = np.empty(n, dtype=np.int64)
+        self.rank[order] = np.arange(n)
+        self.adjacent = np.zeros(n, dtype=np.int64)  # [k]: sorted k-1 with sorted k
+        for k in range(1, n):
+            self.adjacent[k] = common_prefix_len(packed.full(order[k - 1]), packed.full(order[k]))
+
+    def row(self, i: int) -> np.ndarray:
+        """The common-prefix length of call i's full sequence with every call's (i's own: F)."""
+        k, n = int(self.rank[i]), self.F.size
+        by_rank = np.empty(n, dtype=np.int64)
+        by_rank[k] = self.F[i]
+        by_rank[:k] = np.minimum.accumulate(self.adjacent[1 : k + 1][::-1])[::-1]
+        by_rank[k + 1 :] = np.minimum.accumulate(self.adjacent[k + 1 :])
+        return by_rank[self.rank]
 
 
 class _Forest:
     """The parent forest with retries, forks, their causes and the root-to-leaf paths."""
 
     def __init__(
-        self, packed: _Packed, parent: np.ndarray, lcp: np.ndarray, tools: np.ndarray
+        self, packed: _Packed, parent: np.ndarray, prefixes: _Prefixes, tools: np.ndarray
     ) -> None:
         n = parent.size
-        self.packed, self.parent, self.lcp = packed, parent, lcp
+        self.packed, self.parent, self.prefixes = packed, parent, prefixes
         self.children: list[list[int]] = [[] for _ in range(n)]
         roots: list[int] = []
         for i in range(n):
@@ -462,20 +473,13 @@ class _Forest:
             self.cause[i] = self._fork_cause(i)
 
     def _group_retries(self, siblings: list[int]) -> None:
-        by_length: dict[int, list[list[int]]] = {}
+        by_prompt: dict[bytes, list[int]] = {}
         for s in siblings:
-            groups = by_length.setdefault(int(self.packed.P[s]), [])
-            for group in groups:
-                if self.lcp[group[0], s] >= self.packed.P[s]:
-                    group.append(s)
-                    break
-            else:
-                groups.append([s])
-        for groups in by_length.values():
-            for group in groups:
-                kept = [m for m in group if self.children[m]] or [group[-1]]
-                self.abandoned[[m for m in group if m not in kept]] = True
-                self.anchor[kept[0]] = group[0]
+            by_prompt.setdefault(self.packed.prompt(s).tobytes(), []).append(s)
+        for group in by_prompt.values():
+            kept = [m for m in group if self.children[m]] or [group[-1]]
+            self.abandoned[[m for m in group if m not in kept]] = True
+            self.anchor[kept[0]] = group[0]
 
     def _fork_cause(self, i: int) -> str:
         """Own fork cause, or the inherited one when the call continues its parent's path."""
@@ -490,7 +494,7 @@ class _Forest:
         packed, anchor = self.packed, int(self.anchor[f])
         if anchor == 0:
             return "start"
-        reach = np.minimum(self.lcp[f, :anchor], packed.P[f])
+        reach = np.minimum(self.prefixes.row(f)[:anchor], packed.P[f])
         p = int(reach.max())
         tied = np.flatnonzero(reach == p)
         is_tied = np.zeros(packed.F.size, dtype=bool)
@@ -499,16 +503,19 @@ class _Forest:
         # A tied call whose parent ties too and still covers position p has the parent's tokens
         # and origin there: only the topmost tied calls need a look.
         inherited = (self.parent[tied] >= 0) & is_tied[up] & (packed.F[up] > p)
-        best = "independent"
-        for r in tied[~inherited]:
+        looked = tied[~inherited]
+        # Most own position p themselves; only the rest climb to the call that does.
+        climbs = (self.parent[looked] >= 0) & (packed.F[np.maximum(self.parent[looked], 0)] > p)
+        owners = looked[~climbs].tolist()
+        for r in looked[climbs]:
             owner = r
             while self.parent[owner] >= 0 and packed.F[self.parent[owner]] > p:
                 owner = self.parent[owner]
-            if packed.P[owner] <= p < packed.F[owner]:
-                return "drift"
-            if self.first_sampled[r] < p:
-                best = "rewrite"
-        return best
+            owners.append(owner)
+        owners = np.array(owners, dtype=np.int64)
+        if ((packed.P[owners] <= p) & (p < packed.F[owners])).any():
+            return "drift"
+        return "rewrite" if (self.first_sampled[looked] < p).any() else "independent"
 
     def leaf_paths(self) -> list[list[int]]:
         """Root-to-leaf paths in depth-first order, earliest fork first."""

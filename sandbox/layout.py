@@ -16,6 +16,7 @@ credentials, tokens) never reaches the harness or the verifier.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -91,7 +92,7 @@ def make_area(root: str, name: str, size_mb: int | None) -> tuple[SandboxDirs, s
 
 def release_areas(root: str, keep: bool) -> None:
     """Unmount the areas' tmpfs; with `keep`, their contents stay, copied to the host disk."""
-    for name in ("agent", "verifier"):
+    for name in ("agent", "collect", "verifier"):
         area = os.path.join(root, name)
         if keep and os.path.ismount(area):
             shutil.copytree(area, area + ".kept", symlinks=True, ignore=_special)
@@ -132,27 +133,71 @@ def chown_tree(path: str, uid: int) -> None:
             os.lchown(os.path.join(dirpath, name), uid, uid)
 
 
-def copy_work(src: str, dst: str, skip: set[str]) -> None:
+class CopyOverflow(Exception):
+    """The agent's workdir holds more data than the copy may take."""
+
+
+def _copy_data(fin: int, fout: int, size: int) -> int:
+    """Copy a file's data regions only (its holes stay holes); returns the bytes copied."""
+    copied, offset = 0, 0
+    while offset < size:
+        try:
+            start = os.lseek(fin, offset, os.SEEK_DATA)
+        except OSError as exc:  # ENXIO: only a hole is left
+            if exc.errno == errno.ENXIO:
+                break
+            raise
+        end = os.lseek(fin, start, os.SEEK_HOLE)
+        while start < end:
+            chunk = os.pread(fin, min(end - start, 1 << 20), start)
+            if not chunk:
+                break
+            os.pwrite(fout, chunk, start)
+            start, copied = start + len(chunk), copied + len(chunk)
+        offset = end
+    os.ftruncate(fout, size)
+    return copied
+
+
+def copy_work(src: str, dst: str, skip: set[str], budget: int | None = None) -> None:
     """Copy the agent's workdir for the verifier: directories, regular files (without setuid
-    bits) and links as links; anything else, and the relative paths in `skip`, left out."""
-    for dirpath, dirnames, filenames in os.walk(src):
-        rel_dir = os.path.relpath(dirpath, src)
-        for name in [*dirnames, *filenames]:
-            rel = os.path.normpath(os.path.join(rel_dir, name))
-            source, target = os.path.join(dirpath, name), os.path.join(dst, rel)
-            st = os.lstat(source)
-            if rel in skip:
-                if name in dirnames:
-                    dirnames.remove(name)
-            elif stat.S_ISLNK(st.st_mode):
-                os.symlink(os.readlink(source), target)
-            elif stat.S_ISDIR(st.st_mode):
-                os.mkdir(target, 0o700)
-            elif stat.S_ISREG(st.st_mode):
-                fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
-                with os.fdopen(fd, "rb") as fin, open(target, "xb") as fout:
-                    shutil.copyfileobj(fin, fout, 1 << 20)
-                os.chmod(target, stat.S_IMODE(st.st_mode) & 0o777)
+    bits, their holes kept as holes) and links as links; anything else, and the relative paths
+    in `skip`, left out. Raises CopyOverflow once more than `budget` bytes of data would be
+    copied or the destination is full: the agent made that much."""
+    copied = 0
+    try:
+        for dirpath, dirnames, filenames in os.walk(src):
+            rel_dir = os.path.relpath(dirpath, src)
+            for name in [*dirnames, *filenames]:
+                rel = os.path.normpath(os.path.join(rel_dir, name))
+                source, target = os.path.join(dirpath, name), os.path.join(dst, rel)
+                st = os.lstat(source)
+                if rel in skip:
+                    if name in dirnames:
+                        dirnames.remove(name)
+                elif stat.S_ISLNK(st.st_mode):
+                    os.symlink(os.readlink(source), target)
+                elif stat.S_ISDIR(st.st_mode):
+                    os.mkdir(target, 0o700)
+                elif stat.S_ISREG(st.st_mode):
+                    if budget is not None and copied + min(st.st_blocks * 512, st.st_size) > budget:
+                        raise CopyOverflow(f"more than {budget >> 20} MB of file data")
+                    fin = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+                    try:
+                        fout = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                        try:
+                            copied += _copy_data(fin, fout, st.st_size)
+                        finally:
+                            os.close(fout)
+                    finally:
+                        os.close(fin)
+                    os.chmod(target, stat.S_IMODE(st.st_mode) & 0o777)
+                    if budget is not None and copied > budget:
+                        raise CopyOverflow(f"more than {budget >> 20} MB of file data")
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CopyOverflow(f"the verifier's area is full ({exc.strerror})") from None
+        raise
 
 
 def write_identity(root: str, uid: int) -> tuple[str, str]:

@@ -6,7 +6,8 @@ At most `concurrency` rollouts are in flight; a rollout is created at the gatewa
 sandbox is about to start, so the gateway's timeout clock does not run while it waits.
 
 A crashed or timed-out harness is an ordinary result (status and reward per `crash_reward`); a
-failing gateway call or backend is reported as an error for that rollout and the run goes on.
+failing gateway call or backend is reported as an error for that rollout and the run goes on (a
+rollout whose backend failed is in the state file, unscorable, as every one it ended).
 Setting `stop` (the CLI does on SIGINT/SIGTERM) starts nothing new, kills the sandboxes in
 flight and finishes their rollouts as failed with `metrics.interrupted`; they are not in the
 state file, so a resumed run does them again. The admin key stays in this process; the state
@@ -136,6 +137,16 @@ def record_for(
     )
 
 
+def failed_record(item: WorkItem, rollout_id: str, detail: str,
+                  duration_s: float) -> FinishedRollout:
+    """The state line of a rollout whose sandbox failed (the runner's or the machine's fault:
+    unscorable)."""
+    return FinishedRollout(task_id=item.task.id, repeat=item.repeat, member=item.member,
+                           rollout_id=rollout_id, group_id=item.group_id, status="failed",
+                           sandbox_status="error", reward=None, reward_detail=detail,
+                           duration_s=duration_s)
+
+
 class _Run:
     """One run_rollouts call: workers pulling rollouts from a shared plan."""
 
@@ -262,6 +273,9 @@ class _Run:
             raise
         except Exception as exc:  # a backend failure is this rollout's, not the run's
             await _finish_quietly(self.admin, rid, {"sandbox_error": repr(exc)})
+            if self.state:  # ended: a resumed run must not put a second rollout in its group
+                self.state.append(failed_record(item, rid, f"sandbox: {exc!r}",
+                                                time.monotonic() - started))
             self.fail(item, f"sandbox: {exc!r}", rid)
             return
         finally:

@@ -28,7 +28,7 @@ class FinishedRollout(msgspec.Struct, frozen=True, tag="rollout"):
     rollout_id: str
     group_id: str
     status: str  # as posted to the gateway: finished, failed, timeout
-    sandbox_status: str  # ok, crashed, timeout, setup_failed, tampered
+    sandbox_status: str  # ok, crashed, timeout, setup_failed, tampered, error (backend failed)
     reward: float | None
     reward_detail: str
     duration_s: float

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from sandbox.pytest_report import pytest_command
+
 RewardKind = Literal["pytest", "binary", "script"]
 TaskId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -209,6 +211,11 @@ def resolve_task(spec: TaskSpec, base: Path, source: str, lineno: int) -> Task:
     )
     if not spec.verifier.command.strip():
         raise _line_error(source, lineno, 'field "verifier.command": must not be empty')
+    if spec.verifier.reward == "pytest":
+        try:
+            pytest_command(spec.verifier.command)
+        except ValueError as exc:
+            raise _line_error(source, lineno, f'field "verifier.command": {exc}') from None
     protected = []
     for name in spec.protected:
         if problem := check_relative_path(name):

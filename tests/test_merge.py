@@ -14,9 +14,9 @@ from gateway.merge import (
     SIDE_CALLS,
     CallTokens,
     MergeOptions,
-    _find_parents,
-    _full_lcps,
+    TooManyCalls,
     _Packed,
+    _Prefixes,
     best_base,
     common_prefix_len,
     merge,
@@ -426,20 +426,51 @@ def test_merge_invariants_hold_for_any_calls(calls, options, rng):
     assert canonical(merge(shuffled, options)) == canonical(result)
 
 
+def brute_force_lcp(x, y):
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    return n
+
+
+def live_calls(calls):
+    return sorted((c for c in calls if c.prompt_ids.size or c.completion_ids.size),
+                  key=lambda c: (c.seq, c.id))
+
+
 @settings(max_examples=300, deadline=None)
 @given(tangles())
-def test_lcp_matrix_matches_brute_force(calls):
-    live = sorted((c for c in calls if c.prompt_ids.size or c.completion_ids.size),
-                  key=lambda c: (c.seq, c.id))
-    packed = _Packed(live)
-    lcp = _full_lcps(packed, _find_parents(packed))
+def test_common_prefixes_match_brute_force(calls):
+    live = live_calls(calls)
+    prefixes = _Prefixes(_Packed(live))
     for i, a in enumerate(live):
-        for j, b in enumerate(live):
-            x, y = full(a).tolist(), full(b).tolist()
-            n = 0
-            while n < min(len(x), len(y)) and x[n] == y[n]:
-                n += 1
-            assert lcp[i, j] == n
+        assert prefixes.row(i).tolist() == [brute_force_lcp(full(a).tolist(), full(b).tolist())
+                                            for b in live]
+
+
+class MatrixPrefixes(_Prefixes):
+    """The merge's former common-prefix table: every pair's, an n x n matrix (parents are
+    checked against brute force in test_merge_invariants_hold_for_any_calls)."""
+
+    def __init__(self, packed):
+        super().__init__(packed)
+        fulls = [packed.full(i).tolist() for i in range(packed.F.size)]
+        self.lcp = np.array([[brute_force_lcp(x, y) for y in fulls] for x in fulls],
+                            dtype=np.int64).reshape(len(fulls), len(fulls))
+
+    def row(self, i):
+        return self.lcp[i]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(tangles(), rollouts().map(lambda r: r.calls)), OPTIONS)
+def test_merge_equals_the_merge_over_the_whole_matrix(calls, options):
+    result = merge(calls, options)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("gateway.merge._Prefixes", MatrixPrefixes)
+        reference = merge(calls, options)
+    assert canonical(result) == canonical(reference)
+    assert result.abandoned == reference.abandoned
 
 
 @settings(max_examples=300, deadline=None)
@@ -751,3 +782,20 @@ def test_the_same_body_again_abandons_the_first():
     b = msgspec.structs.replace(make_call("b", 2, [1, 2], [4]), digest=b"x", started=1.0)
     result = merge([b, a])
     assert result.abandoned == ["a"] and result.stats.retried_calls == 1
+
+
+def test_a_rollout_past_the_call_cap_is_refused_with_the_reason(monkeypatch):
+    monkeypatch.setattr("gateway.merge.MAX_CALLS", 2)
+    calls = [make_call(f"c{i}", i, [1] * i, [2]) for i in range(1, 4)]
+    assert merge(calls[:2]).stats.calls == 2
+    with pytest.raises(TooManyCalls, match="3 calls, more than the 2"):
+        merge(calls)
+
+
+def test_merge_of_40000_calls_stays_under_a_gibibyte():
+    """The former n x n table alone took 9 bytes x calls squared: 13.5 GiB here."""
+    from bench.bench_merge import scale
+
+    result = scale(40_000)
+    assert result["sequences"] > 0
+    assert result["peak_bytes"] < 1 << 30, result

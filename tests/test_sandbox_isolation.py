@@ -376,8 +376,8 @@ def test_missing_bwrap_cli_error(tmp_path, monkeypatch, capsys):
     from sandbox import cli
 
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps({"id": "t", "prompt": "p", "verifier": {"command": "true"}})
-                     + "\n")
+    tasks.write_text(json.dumps({"id": "t", "prompt": "p",
+                                 "verifier": {"command": "true", "reward": "binary"}}) + "\n")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     os.symlink(shutil.which("true"), bin_dir / "true")

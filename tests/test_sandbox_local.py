@@ -461,3 +461,25 @@ async def test_memory_cap_holds_for_the_whole_sandbox():
     assert "memory" in result.agent.cgroup
     assert result.status == "crashed", result.agent.stderr
     assert result.agent.peak_memory_mb is not None and result.agent.peak_memory_mb <= 160
+
+
+SPARSE = ("import os\n"
+          "for i in range(8):\n"
+          "    with open(f'hole{i}', 'wb') as fh:\n"
+          "        fh.seek(168 << 20)\n"
+          "        fh.write(b'x')\n")
+
+
+@pytest.mark.parametrize(("dense_mb", "expected"), [(0, 1.0), (6, 0.0)])
+async def test_the_copy_for_the_verifier_keeps_holes_and_is_bounded(dense_mb, expected):
+    """Eight sparse 168 MB files (free in the agent's disk) no longer overflow the verifier's
+    copy and make the rollout unscorable; real data beyond the verifier's disk scores 0."""
+    agent = sh_agent("python -c " + shlex.quote(
+        SPARSE + f"open('dense', 'wb').write(os.urandom({dense_mb} << 20))\n"
+        f"open('fizzbuzz.py', 'w').write({FIZZBUZZ_OK!r})"))
+    backend = LocalBackend(task_limits=Limits(disk_mb=4))
+    result = await backend.run(SandboxRequest(make_task(), agent, ACCESS))
+    assert result.status == "ok", result.agent.stderr
+    assert result.reward == expected, result.reward_detail
+    if dense_mb:
+        assert "does not fit" in result.reward_detail

@@ -294,6 +294,27 @@ async def test_gateway_refusal_is_an_error_for_that_rollout_only(admin_api, harn
     assert [r.task_id for r in report.finished] == ["fine", "fine"]
 
 
+class FailingBackend:
+    """Fault injection: a backend that fails every sandbox (a broken machine)."""
+
+    async def run(self, request):
+        raise OSError(28, "No space left on device")
+
+
+async def test_a_failed_sandbox_is_in_the_state_file_and_not_redone(admin_api, harness,
+                                                                    tmp_path):
+    state = tmp_path / "state.jsonl"
+    common = dict(gateway=admin_api.url, admin_key=ADMIN_KEY, group_size=1,
+                  state_path=str(state))
+    first = await run_rollouts([task("a", "ok")], harness, backend=FailingBackend(), **common)
+    assert len(first.errors) == 1 and "No space left" in first.errors[0].message
+    _, done = StateFile(state).load()
+    (record,) = done.values()
+    assert (record.status, record.sandbox_status, record.reward) == ("failed", "error", None)
+    second = await run_rollouts([task("a", "ok")], harness, backend=LocalBackend(), **common)
+    assert second.skipped == 1 and len(admin_api.rollouts) == 1
+
+
 async def test_wrong_admin_key_fails_every_rollout(admin_api, harness):
     report = await run_rollouts(
         [task("a", "ok")], harness, gateway=admin_api.url, admin_key="wrong",
@@ -317,14 +338,15 @@ def test_cli_help(capsys):
 def test_cli_rejects_bad_input(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("ROLLTAP_ADMIN_KEY", raising=False)
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text('{"id": "x", "prompt": 3, "verifier": {"command": "true"}}\n')
+    binary = {"command": "true", "reward": "binary"}
+    tasks.write_text(json.dumps({"id": "x", "prompt": 3, "verifier": binary}) + "\n")
     base = [str(tasks), "--harness", "command", "--command", "true", "--group-size", "1",
             "--gateway", "http://127.0.0.1:9"]
     assert run_cli(base) == 2
     assert "ROLLTAP_ADMIN_KEY" in capsys.readouterr().err
     assert run_cli([*base, "--admin-key", "k"]) == 2
     assert 'line 1: field "prompt": expected a string' in capsys.readouterr().err
-    tasks.write_text('{"id": "x", "prompt": "p", "verifier": {"command": "true"}}\n')
+    tasks.write_text(json.dumps({"id": "x", "prompt": "p", "verifier": binary}) + "\n")
     assert run_cli([*base[:2], "python", *base[5:], "--admin-key", "k"]) == 2
     assert "--agent" in capsys.readouterr().err
     assert run_cli([*base[:4], "no-such-binary-xyz", *base[5:], "--admin-key", "k"]) == 2

@@ -1,21 +1,41 @@
-"""Reading rewards: the pytest plugin's report line (and its tampering), exit codes, script
-output; and the plugin itself in a real pytest run."""
+"""Reading rewards: the launcher's sealed report (and every way it can be forged), exit codes,
+script output; and the launcher itself in real pytest runs, against hostile solutions that try
+each known way to a reward they did not earn (issue 28, attacks 1-6)."""
 
 from __future__ import annotations
 
-import json
+import hmac
+import os
+import random
 import textwrap
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sandbox import pytest_report
-from sandbox.layout import sandbox_path
+from sandbox.layout import CopyOverflow, copy_work, sandbox_path, write_files
 from sandbox.limits import Limits
 from sandbox.process import ProcessOutcome, run_contained
-from sandbox.verifier import Counts, Tampered, read_report, score, script_number, verify
+from sandbox.verifier import (
+    START,
+    End,
+    Tampered,
+    collect,
+    judge,
+    make_sentinels,
+    read_channel,
+    score_command,
+    score_pytest,
+    script_number,
+    verify,
+)
+
+KEY = b"k" * 32
+SENTINELS = make_sentinels(random.Random(7))
+EXPECTED = frozenset({"tests/test_a.py::test_0", "tests/test_a.py::test_1"})
 
 
 def outcome(status="ok", exit_code=0, stdout="") -> ProcessOutcome:
@@ -24,61 +44,187 @@ def outcome(status="ok", exit_code=0, stdout="") -> ProcessOutcome:
                           output_truncated=False)
 
 
-def line(passed, failed, errors, exitstatus=0) -> bytes:
-    body = {"passed": passed, "failed": failed, "errors": errors, "exitstatus": exitstatus}
-    return pytest_report.PREFIX + json.dumps(body).encode() + b"\n"
+def sealed(*bodies: bytes, key: bytes = KEY) -> bytes:
+    mac = hmac.new(key, digestmod="sha256")
+    return b"".join(pytest_report.seal(mac, i, b) for i, b in enumerate(bodies))
 
 
-counts = st.tuples(*(st.integers(min_value=0, max_value=10**6) for _ in range(3)))
+def end(outcomes: dict[str, str] | list, exitstatus: int = 1) -> bytes:
+    pairs = list(outcomes.items()) if isinstance(outcomes, dict) else outcomes
+    return msgspec.json.encode(End("end", pairs, [], exitstatus))
 
 
-@given(counts)
-def test_report_line_round_trips(c):
-    passed, failed, errors = c
-    assert read_report(line(*c)) == Counts(passed, passed + failed + errors)
+def honest(results: dict[str, str]) -> dict[str, str]:
+    """A run's outcomes with the sentinels as they must come out."""
+    return {**results, f"s/t.py::{SENTINELS.passing}": "passed",
+            f"s/t.py::{SENTINELS.failing}": "failed"}
 
 
-@given(counts, st.binary(min_size=1, max_size=200), st.booleans())
-def test_anything_else_in_the_channel_is_tampering(c, noise, before):
-    # Whatever the tested code writes into the channel, before or after the plugin's line.
-    data = noise + line(*c) if before else line(*c) + noise
+outcomes = st.dictionaries(st.sampled_from(sorted(EXPECTED)),
+                           st.sampled_from(["passed", "failed", "error", "skipped"]))
+
+
+@given(outcomes)
+def test_sealed_report_round_trips_and_counts_only_expected_passes(results):
+    channel = sealed(START, end(honest(results)))
+    started, record = read_channel(channel, KEY)
+    assert started and record is not None
+    counts = judge(record, 1, EXPECTED, SENTINELS)
+    assert (counts.passed, counts.total) == (list(results.values()).count("passed"), 2)
+
+
+@given(outcomes, st.binary(min_size=1, max_size=200), st.booleans())
+def test_anything_else_in_the_channel_is_tampering(results, noise, before):
+    whole = sealed(START, end(honest(results)))
     with pytest.raises(Tampered):
-        read_report(data)
+        read_channel(noise + whole if before else whole + noise, KEY)
 
 
-@pytest.mark.parametrize("data", [b"rolltap-report {}\n", b"rolltap-report [1]\n",
-                                  line(1, -1, 0), b"rolltap-report " + b"9" * 50 + b"\n",
-                                  line(1, 0, 0)[:-1], b"\n"])
-def test_malformed_lines_are_tampering(data):
+@given(outcomes, st.integers(min_value=1))
+def test_a_torn_report_or_another_key_is_tampering(results, cut):
+    whole = sealed(START, end(honest(results)))
+    last = len(whole) - len(sealed(START))
+    with pytest.raises(Tampered):  # torn anywhere inside the end record
+        read_channel(whole[:-(1 + cut % (last - 1))], KEY)
     with pytest.raises(Tampered):
-        read_report(data)
+        read_channel(sealed(START, end(honest(results)), key=b"x" * 32), KEY)
 
 
-@pytest.mark.parametrize(
-    ("kind", "result", "channel", "expected"),
-    [
-        ("pytest", outcome(exit_code=1), line(3, 1, 0, 1), (0.75, False)),
-        ("pytest", outcome(exit_code=0), line(2, 0, 0), (1.0, False)),
-        # A summary line on stdout is not a report: the tested code could print one.
-        ("pytest", outcome(exit_code=0, stdout="5 passed in 0.1s"), b"", (None, False)),
-        ("pytest", outcome(exit_code=5), line(0, 0, 0, 5), (None, False)),
-        ("pytest", outcome(exit_code=0), line(2, 0, 0) + line(2, 0, 0), (0.0, True)),
-        ("pytest", outcome(status="timeout", exit_code=None), b"", (0.0, False)),
-        ("binary", outcome(exit_code=0), b"", (1.0, False)),
-        ("binary", outcome(status="crashed", exit_code=2), b"", (0.0, False)),
-        ("script", outcome(stdout="log\n0.8\n\n"), b"", (0.8, False)),
-        ("script", outcome(stdout="nan\n"), b"", (None, False)),
-        ("script", outcome(status="crashed", exit_code=1, stdout="0.9\n"), b"", (None, False)),
-    ],
-)
-def test_score(kind, result, channel, expected):
-    reward, _, _, tampered = score(kind, result, channel)
-    assert (reward, tampered) == expected
+def test_record_order_and_count_are_sealed():
+    body = end(honest({}))
+    for channel in (sealed(body, START), sealed(START, body, body), sealed(body),
+                    sealed(START, START)):
+        with pytest.raises(Tampered):
+            read_channel(channel, KEY)
+
+
+@pytest.mark.parametrize(("results", "exit_code", "why"), [
+    ([*honest({}).items(), ("tests/test_a.py::test_0", "passed")] * 1
+     + [("tests/test_a.py::test_0", "failed")], 1, "twice"),
+    (honest({"tests/test_a.py::test_2": "passed"}), 1, "unexpected"),
+    ({**honest({}), f"s/t.py::{SENTINELS.failing}": "passed"}, 1, "sentinel"),
+    ({**honest({}), f"s/t.py::{SENTINELS.passing}": "skipped"}, 1, "sentinel"),
+    (honest({}), 0, "exit"),  # the failing sentinel makes pytest's status 1
+    (honest({}), 3, "exit code 3"),
+])
+def test_reports_that_contradict_themselves_are_tampering(results, exit_code, why):
+    pairs = list(results.items()) if isinstance(results, dict) else results
+    record = msgspec.json.decode(end(pairs, exitstatus=exit_code if exit_code != 3 else 1),
+                                 type=End)
+    with pytest.raises(Tampered, match=why):
+        judge(record, exit_code, EXPECTED, SENTINELS)
+
+
+def test_tests_outside_the_tasks_files_are_not_counted_and_missing_ones_fail():
+    # An agent's own test file is no forgery; an expected test that never ran is a failure.
+    record = msgspec.json.decode(end(honest({"test_mine.py::test_x": "passed",
+                                             "tests/test_a.py::test_1": "passed"})), type=End)
+    counts = judge(record, 1, EXPECTED, SENTINELS)
+    assert (counts.passed, counts.total) == (1, 2)
+
+
+@pytest.mark.parametrize(("result", "channel", "expected"), [
+    (outcome(exit_code=1), sealed(START, end(honest({"tests/test_a.py::test_0": "passed"}))),
+     (0.5, False)),
+    # A summary line on stdout is not a report: the tested code could print one.
+    (outcome(exit_code=0, stdout="5 passed in 0.1s"), b"", (None, False)),
+    # Started, then ended before the report: the tested code's doing, scored 0.
+    (outcome(exit_code=0), sealed(START), (0.0, False)),
+    (outcome(status="crashed", exit_code=-9), sealed(START), (0.0, False)),
+    (outcome(exit_code=0), sealed(START) + b"rolltap-report {}\n", (0.0, True)),
+    (outcome(status="timeout", exit_code=None), b"", (0.0, False)),
+])
+def test_score_pytest(result, channel, expected):
+    scored = score_pytest(result, channel, KEY, EXPECTED, SENTINELS)
+    assert (scored.reward, scored.tampered) == expected
+
+
+@pytest.mark.parametrize(("kind", "result", "expected"), [
+    ("binary", outcome(exit_code=0), 1.0),
+    ("binary", outcome(status="crashed", exit_code=2), 0.0),
+    ("script", outcome(stdout="log\n0.8\n\n"), 0.8),
+    ("script", outcome(stdout="nan\n"), None),
+    ("script", outcome(status="crashed", exit_code=1, stdout="0.9\n"), None),
+])
+def test_score_command(kind, result, expected):
+    assert score_command(kind, result).reward == expected
 
 
 @given(st.floats(allow_nan=False, allow_infinity=False))
 def test_script_number_round_trips(x):
     assert script_number(f"noise\n{x!r}\n") == x
+
+
+@pytest.mark.parametrize(("command", "args"), [
+    ("PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -I -m pytest -q", ["-q"]),
+    ("python3 -m pytest -k 'not (slow)' tests", ["-k", "not (slow)", "tests"]),
+    ("pytest", []),
+])
+def test_pytest_commands(command, args):
+    assert pytest_report.pytest_command(command)[1] == args
+
+
+@pytest.mark.parametrize("command", ["python x.py", "pytest; echo 1.0", "sh -c pytest",
+                                     "python -m pytest $(cat args)", "pytest > out", "'"])
+def test_other_pytest_commands_are_refused(command):
+    with pytest.raises(ValueError, match="must read"):
+        pytest_report.pytest_command(command)
+
+
+# ---- real pytest runs ---------------------------------------------------------------------
+
+PYTEST = "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -I -m pytest -q"
+HIDDEN = {
+    "conftest.py": "",
+    "pytest.ini": "[pytest]\npythonpath = .\ntestpaths = tests_hidden\n"
+                  "addopts = -p no:cacheprovider\n",
+    "tests_hidden/test_is_even.py": textwrap.dedent('''
+        from is_even import is_even
+
+        def test_0():
+            assert is_even(2) is True
+            assert is_even(0) is True
+
+        def test_1():
+            assert is_even(7) is False
+            assert is_even(-3) is False
+    '''),
+}
+STUB = "def is_even(n):\n    raise NotImplementedError\n"
+# The honest wrong answer: test_0 passes, test_1 fails, reward 0.5.
+WRONG = "def is_even(n):\n    return True\n"
+
+
+def runner(work: Path):
+    async def run(argv, extra, fds):
+        env = {"PATH": sandbox_path(), "HOME": str(work.parent), **extra}
+        return await run_contained(list(argv), cwd=str(work), env=env, limits=Limits(),
+                                   timeout_s=120, pass_fds=fds)
+    return run
+
+
+async def verify_solution(tmp_path: Path, solution: str, *, command: str = PYTEST,
+                          hidden: dict[str, str] = HIDDEN, extra: dict[str, str] | None = None):
+    """Collect the expected tests on the task's own files, then verify `solution` (with the
+    agent's `extra` files) as the backend does, unconfined."""
+    own, work = tmp_path / "own", tmp_path / "work"
+    tmp_path.mkdir(exist_ok=True)
+    write_files(str(own), {"is_even.py": STUB.encode(),
+                           **{k: v.encode() for k, v in hidden.items()}})
+    python = "python"
+    expected = await collect(runner(own), command, python, list(hidden))
+    sentinels = make_sentinels()
+    write_files(str(work), {"is_even.py": solution.encode(),
+                            **{k: v.encode() for k, v in {**(extra or {}), **hidden}.items()},
+                            sentinels.path: sentinels.source})
+    return await verify("pytest", command, runner(work), python, expected, sentinels)
+
+
+async def test_honest_answers(tmp_path):
+    right = await verify_solution(tmp_path / "a", "def is_even(n):\n    return n % 2 == 0\n")
+    wrong = await verify_solution(tmp_path / "b", WRONG)
+    assert (right.reward, right.passed, right.total) == (1.0, 2, 2), right.output
+    assert (wrong.reward, wrong.tampered) == (0.5, False), wrong.output
 
 
 TESTS = '''
@@ -100,34 +246,133 @@ def test_xpass(): pass
 '''
 
 
-@pytest.mark.parametrize("forge", [False, True], ids=["honest", "forged"])
-async def test_plugin_counts_a_real_pytest_run(tmp_path: Path, forge: bool):
-    """The plugin in a real pytest process: passed and xpassed count as passed, failures and
-    fixture errors against, skips and xfails not at all. A test that finds the pipe among its
-    descriptors and writes a perfect report makes the result tampered, not a pass."""
-    body = TESTS
-    if forge:
-        body += textwrap.dedent(f'''
-            import os, stat
-            def test_forge():
-                for fd in map(int, os.listdir("/proc/self/fd")):
-                    try:
-                        if stat.S_ISFIFO(os.fstat(fd).st_mode):
-                            os.write(fd, {line(99, 0, 0)!r})
-                    except OSError:
-                        pass
-        ''')
-    (tmp_path / "test_cases.py").write_text(body)
+async def test_every_expected_test_not_passed_counts_as_failed(tmp_path):
+    """Passed and unexpectedly passed count for; failures, fixture errors, skips and expected
+    failures against."""
+    hidden = {**HIDDEN, "tests_hidden/test_cases.py": TESTS}
+    result = await verify_solution(tmp_path, WRONG, hidden=hidden)
+    assert (result.passed, result.total) == (3, 8), result.output
 
-    async def run(extra, fds):
-        env = {"PATH": sandbox_path(), "HOME": str(tmp_path), **extra}
-        return await run_contained(["python", "-I", "-m", "pytest", "-q", "-p",
-                                    "no:cacheprovider"], cwd=str(tmp_path), env=env,
-                                   limits=Limits(), timeout_s=120, pass_fds=fds)
 
-    result = await verify("pytest", run)
-    if forge:
-        assert (result.reward, result.tampered) == (0.0, True), result.output
+# Each numbered attack of issue 28 as the solution the verifier imports. Every one of them
+# scored 1.0 on the earlier verifier; the honest wrong answer scores 0.5.
+FORGE_PIPE = WRONG + textwrap.dedent('''
+    import os, stat
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                os.write(fd, b'rolltap-report {"passed": 2, "failed": 0, "errors": 0, '
+                             b'"exitstatus": 0}\\n')
+                os.dup2(os.open("/dev/null", os.O_WRONLY), fd)
+        except OSError:
+            pass
+''')
+SILENCE_PIPE = FORGE_PIPE.replace("os.write(fd", "0 and os.write(fd")
+SKIP = textwrap.dedent('''
+    import unittest
+    def is_even(n):
+        if n in (2, 0):
+            return True
+        raise unittest.SkipTest("cannot say")
+''')
+XFAIL = SKIP.replace("import unittest", "import pytest").replace(
+    'raise unittest.SkipTest("cannot say")', 'pytest.xfail("cannot say")')
+INTERRUPT = textwrap.dedent('''
+    def is_even(n):
+        if n in (2, 0):
+            return True
+        raise KeyboardInterrupt
+''')
+PYTEST_EXIT = INTERRUPT.replace("def is_even", "import pytest\ndef is_even").replace(
+    "raise KeyboardInterrupt", 'pytest.exit("done", returncode=0)')
+REPLACE_COUNTS = WRONG + textwrap.dedent('''
+    try:
+        import sandbox.pytest_report as r
+        r.counts = lambda: {"passed": 2, "failed": 0, "errors": 0}
+    except Exception:
+        pass
+''')
+# Reaches into the launcher's plugin itself: every outcome it records is "passed".
+PATCH_PLUGIN = WRONG + textwrap.dedent('''
+    import gc
+    class Passed(dict):
+        def __setitem__(self, key, value):
+            super().__setitem__(key, "passed")
+    for o in gc.get_objects():
+        if type(o).__name__ == "_Plugin":
+            o.outcomes = Passed(o.outcomes)
+''')
+# Makes pytest itself report every test as passed.
+PATCH_PYTEST = WRONG + textwrap.dedent('''
+    import _pytest.runner as runner
+    make = runner.TestReport.from_item_and_call
+    def passed(item, call):
+        report = make(item, call)
+        report.outcome = "passed"
+        report.longrepr = None
+        return report
+    runner.TestReport.from_item_and_call = passed
+''')
+EXIT_AT_IMPORT = WRONG + "import os\nos._exit(0)\n"
+EXIT_ZERO_AT_END = WRONG + "import atexit, os\natexit.register(lambda: os._exit(0))\n"
+SHADOW = {"pytest.py": textwrap.dedent('''
+    import os, stat, sys
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                os.write(fd, b'rolltap-report {"passed": 2, "failed": 0, "errors": 0, '
+                             b'"exitstatus": 0}\\n')
+        except OSError:
+            pass
+    sys.exit(0)
+''')}
+
+
+@pytest.mark.parametrize(("solution", "extra", "command", "expected"), [
+    (FORGE_PIPE, {}, PYTEST, "tampered"),  # 1
+    (SILENCE_PIPE, {}, PYTEST, "zero"),  # 1, without writing
+    (SKIP, {}, PYTEST, 0.5),  # 2
+    (XFAIL, {}, PYTEST, 0.5),  # 2
+    (INTERRUPT, {}, PYTEST, 0.5),  # 3
+    (PYTEST_EXIT, {}, PYTEST, 0.5),  # 3 (tampered if the failing sentinel ran first)
+    (REPLACE_COUNTS, {}, PYTEST, 0.5),  # 4
+    (PATCH_PLUGIN, {}, PYTEST, "tampered"),  # 4: the failing sentinel comes out passed
+    (PATCH_PYTEST, {}, PYTEST, "tampered"),  # 4
+    (WRONG, SHADOW, "python -m pytest", 0.5),  # 5: the agent's pytest.py is never run
+    (EXIT_AT_IMPORT, {}, PYTEST, "zero"),  # 6
+    (EXIT_ZERO_AT_END, {}, PYTEST, "tampered"),  # 3/6: exit code against the report
+], ids=["forge-pipe", "silence-pipe", "skip", "xfail", "interrupt", "pytest-exit",
+        "replace-counts", "patch-plugin", "patch-pytest", "shadow-pytest", "exit-at-import",
+        "exit-zero-at-end"])
+async def test_attacks_gain_nothing(tmp_path, solution, extra, command, expected):
+    result = await verify_solution(tmp_path, solution, command=command, extra=extra)
+    if expected == "tampered":
+        assert (result.reward, result.tampered) == (0.0, True), (result.detail, result.output)
+    elif expected == "zero":
+        assert (result.reward, result.tampered) == (0.0, False), (result.detail, result.output)
     else:
-        assert (result.passed, result.total) == (2, 4), result.output
-        assert result.reward == 0.5 and not result.tampered
+        assert result.reward is not None and result.reward <= expected, result.output
+
+
+async def test_tests_that_do_not_collect_on_the_tasks_own_files_are_the_tasks_fault(tmp_path):
+    from sandbox.verifier import TaskTestsError
+    hidden = {**HIDDEN, "tests_hidden/test_broken.py": "import is_even\nCASES = 1 / 0\n"}
+    with pytest.raises(TaskTestsError, match="do not collect"):
+        await verify_solution(tmp_path, WRONG, hidden=hidden)
+
+
+def test_sparse_files_copy_as_holes_and_the_copy_is_bounded(tmp_path):
+    src, small, big = tmp_path / "src", tmp_path / "small", tmp_path / "big"
+    for d in (src, small, big):
+        d.mkdir()
+    for i in range(8):  # 8 sparse files of 168 MB with a little data in each
+        with open(src / f"hole{i}", "wb") as fh:
+            fh.seek(168 << 20)
+            fh.write(b"x" * 4096)
+    copy_work(str(src), str(big), set(), budget=1 << 20)
+    copied = os.stat(big / "hole3")
+    assert copied.st_size == (168 << 20) + 4096
+    assert copied.st_blocks * 512 < 1 << 20  # still a hole
+    (src / "dense").write_bytes(os.urandom(2 << 20))
+    with pytest.raises(CopyOverflow, match="1 MB"):
+        copy_work(str(src), str(small), set(), budget=1 << 20)

@@ -20,11 +20,15 @@ opt-out, recorded in every result.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import socket
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 from urllib.parse import urlsplit
+
+import msgspec
 
 from sandbox import confine
 from sandbox.backends.base import (
@@ -38,6 +42,7 @@ from sandbox.backends.base import (
 from sandbox.confine import Bind, Phase, View
 from sandbox.layout import (
     INSIDE_DIRS,
+    CopyOverflow,
     SandboxDirs,
     base_env,
     chown_tree,
@@ -59,7 +64,14 @@ from sandbox.process import ProcessOutcome, run_contained
 from sandbox.relay import Relay, forwarded, inside_port, inside_url
 from sandbox.tamper import changed
 from sandbox.tasks import Task, protected_files
-from sandbox.verifier import VerifierResult, verify
+from sandbox.verifier import (
+    Run,
+    TaskTestsError,
+    VerifierResult,
+    collect,
+    make_sentinels,
+    verify,
+)
 
 # Room in the verifier's area beyond the agent's whole disk (its copy) for what tests write.
 VERIFIER_DISK_MARGIN_MB = 256
@@ -183,36 +195,76 @@ class _Sandbox:
                            isolation=isolation)
 
     async def verify(self, task: Task, agent_dirs: SandboxDirs) -> VerifierResult:
-        """The verifier over a copy of the agent's workdir, in its own area and uid."""
+        """The verifier over a copy of the agent's workdir, in its own area and uid; for a
+        `pytest` reward, after collecting the expected tests on the task's own files."""
+        kind, command = task.verifier.reward, task.verifier.command
+        expected = sentinels = None
+        if kind == "pytest":
+            try:
+                expected = await self.expected_tests(task)
+            except TaskTestsError as exc:
+                return VerifierResult(None, str(exc), "ok", None, 0.0)
+            sentinels = make_sentinels()
         limits = self.backend.task_limits
         size = None if limits.disk_mb is None else limits.disk_mb + VERIFIER_DISK_MARGIN_MB
         dirs = self.area("verifier", size)
         originals = protected_files(task)
+        ours = dict(task.verifier.files)
+        if sentinels is not None:
+            ours[sentinels.path] = sentinels.source
+        budget = None if limits.disk_mb is None else limits.disk_mb << 20
         binds: list[Bind] = []
-        if self.confined:
-            hidden = os.path.join(self.root, "hidden")
-            kept = os.path.join(self.root, "protected")
-            write_files(hidden, task.verifier.files)
-            write_files(kept, originals)
-            tops = sorted({PurePosixPath(n).parts[0] for n in task.verifier.files})
-            binds = [Bind(os.path.join(hidden, t), f"{INSIDE_DIRS.work}/{t}") for t in tops]
-            binds += [Bind(os.path.join(kept, p), f"{INSIDE_DIRS.work}/{p}")
-                      for p in task.protected if os.path.lexists(os.path.join(kept, p))]
-            copy_work(agent_dirs.work, dirs.work, {*tops, *task.protected})
-        else:
-            copy_work(agent_dirs.work, dirs.work, set(task.protected))
-            replace_files(dirs.work, task.verifier.files)
-            write_files(dirs.work, originals)
+        try:
+            if self.confined:
+                hidden = os.path.join(self.root, "hidden")
+                kept = os.path.join(self.root, "protected")
+                write_files(hidden, ours)
+                write_files(kept, originals)
+                tops = sorted({PurePosixPath(n).parts[0] for n in ours})
+                binds = [Bind(os.path.join(hidden, t), f"{INSIDE_DIRS.work}/{t}") for t in tops]
+                binds += [Bind(os.path.join(kept, p), f"{INSIDE_DIRS.work}/{p}")
+                          for p in task.protected if os.path.lexists(os.path.join(kept, p))]
+                copy_work(agent_dirs.work, dirs.work, {*tops, *task.protected}, budget)
+            else:
+                copy_work(agent_dirs.work, dirs.work, set(task.protected), budget)
+                replace_files(dirs.work, ours)
+                write_files(dirs.work, originals)
+        except CopyOverflow as exc:
+            return VerifierResult(0.0, f"the agent's workdir does not fit the verifier's: {exc}",
+                                  "ok", None, 0.0)
         self.give(dirs, self.verifier_uid)
+        run = self.runner(dirs, task.timeouts.verifier_s, binds)
+        return await verify(kind, command, run, sys.executable, expected, sentinels)
+
+    def runner(self, dirs: SandboxDirs, timeout_s: float, binds: Sequence[Bind]) -> Run:
+        """Runs a verifier process in `dirs` as the verifier's uid, without network."""
         env = base_env(INSIDE_DIRS if self.confined else dirs, self.path)
         read_only = [*self.read_only([]), *binds]
 
-        async def run(extra: Mapping[str, str], fds: Sequence[int]) -> ProcessOutcome:
-            return await self.phase(["/bin/sh", "-c", task.verifier.command], dirs,
-                                    self.verifier_uid, env | dict(extra), limits,
-                                    task.timeouts.verifier_s, read_only, pass_fds=fds)
+        async def run(argv: Sequence[str], extra: Mapping[str, str],
+                      fds: Sequence[int]) -> ProcessOutcome:
+            return await self.phase(list(argv), dirs, self.verifier_uid, env | dict(extra),
+                                    self.backend.task_limits, timeout_s, read_only,
+                                    pass_fds=fds)
 
-        return await verify(task.verifier.reward, run)
+        return run
+
+    async def expected_tests(self, task: Task) -> frozenset[str]:
+        """The task's tests as collected on its own files (starting files, hidden tests),
+        once per task and backend. Raises TaskTestsError."""
+        digest = hashlib.sha256(msgspec.msgpack.encode(
+            (task.files, task.verifier.files, task.verifier.command))).hexdigest()
+        if (known := self.backend.expected.get(digest)) is not None:
+            return known
+        dirs = self.area("collect", self.backend.task_limits.disk_mb)
+        write_files(dirs.work, task.files)
+        replace_files(dirs.work, task.verifier.files)
+        self.give(dirs, self.verifier_uid)
+        run = self.runner(dirs, task.timeouts.verifier_s, [])
+        keep = [*task.verifier.files, *protected_files(task)]
+        tests = await collect(run, task.verifier.command, sys.executable, keep)
+        self.backend.expected[digest] = tests
+        return tests
 
     def result(self, status: SandboxStatus, reward: float | None, detail: str, *,
                agent: ProcessOutcome | None = None, setup: ProcessOutcome | None = None,
@@ -255,6 +307,8 @@ class LocalBackend:
         self.isolation: Isolation = isolation
         self.gateway_socket = gateway_socket
         self.read_only_paths = tuple(read_only_paths)
+        # Expected tests by task content: collected once on the task's own files.
+        self.expected: dict[str, frozenset[str]] = {}
 
     async def run(self, request: SandboxRequest) -> SandboxResult:
         _check_urls(request)
