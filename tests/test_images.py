@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import hashlib
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ from sandbox.backends.local import LocalBackend
 from sandbox.images import Entry, context_digest, evictions
 from sandbox.presets import Harness
 from sandbox.tasks import Task, load_tasks
+from tests.support.images import base_image_fixture  # noqa: F401 (the base_image fixture)
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="image overlays need root")
 ACCESS = RolloutAccess("r-img", "rk-img", "http://127.0.0.1:9/v1", "http://127.0.0.1:9")
@@ -101,21 +101,6 @@ def test_program_not_on_the_host_names_the_fix():
 
 
 # ---- real images ----------------------------------------------------------------------------
-
-BASE_TAG = "localhost/rolltap-test-base:" + hashlib.sha256(
-    json.dumps([images.BASE_SUITE, images.BASE_PACKAGES]).encode()).hexdigest()[:12]
-
-
-@pytest.fixture(scope="session")
-def base_image() -> str:
-    """The base image made from Debian's packages, built once per package list (it stays in
-    containers-storage across test runs)."""
-    if os.geteuid() != 0:
-        pytest.skip("image overlays need root")
-    if images.inspect(BASE_TAG) is None:
-        images.base_image(BASE_TAG)
-    return BASE_TAG
-
 
 def task(tmp: Path, *, image: str | None = None, dockerfile: str | None = None,
          test: str) -> Task:
