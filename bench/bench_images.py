@@ -105,6 +105,7 @@ async def _run(print_fn) -> None:
 
 
 def run(print_fn=print) -> None:
+    """The section of `make bench` (as root; builds the base image once if it is missing)."""
     asyncio.run(_run(print_fn))
 
 

@@ -358,9 +358,11 @@ class Cache:
         work = tempfile.mkdtemp(prefix=".unpack-", dir=self.path)
         try:
             layout = os.path.join(work, "oci")
-            _run([_tool("skopeo"), "copy", "--quiet", f"containers-storage:{ref}",
-                  f"oci:{layout}:image"], f"copying {ref} out of containers-storage",
-                 PULL_TIMEOUT_S)
+            # Uncompressed layers: compressing them only for umoci to uncompress them again
+            # took most of a first start.
+            _run([_tool("skopeo"), "copy", "--quiet", "--dest-oci-accept-uncompressed-layers",
+                  f"containers-storage:{ref}", f"oci:{layout}:image"],
+                 f"copying {ref} out of containers-storage", PULL_TIMEOUT_S)
             _run([_tool("umoci"), "raw", "unpack", "--image", f"{layout}:image",
                   os.path.join(work, "rootfs")], f"unpacking {ref}", PULL_TIMEOUT_S)
             shutil.rmtree(layout)
