@@ -13,6 +13,7 @@ import asyncio
 import fcntl
 import json
 import os
+import shlex
 import sys
 import textwrap
 from pathlib import Path
@@ -21,9 +22,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sandbox import disk, hostexec, images
+from sandbox import confine, disk, hostexec, images
 from sandbox.backends.base import RolloutAccess, SandboxRequest
 from sandbox.backends.local import LocalBackend
+from sandbox.confine import Bind, Image, Phase, View
 from sandbox.images import Entry, context_digest, evictions
 from sandbox.presets import Harness
 from sandbox.tasks import Task, load_tasks
@@ -263,3 +265,57 @@ def test_cli_help_names_every_action(capsys):
 def test_bad_cache_bound_says_what_to_set():
     with pytest.raises(images.ImageError, match="ROLLTAP_IMAGE_CACHE_MB"):
         images.CacheConfig.from_env({"ROLLTAP_IMAGE_CACHE_MB": "lots"})
+
+
+# ---- the confinement seam (pure planning) ---------------------------------------------------
+
+dests = st.lists(st.lists(st.sampled_from(["a", "b c", "d"]), min_size=1, max_size=3).map(
+    lambda parts: "/" + "/".join(parts)), min_size=1, max_size=4, unique=True)
+
+
+@given(dests, st.booleans())
+def test_image_stage_makes_every_mount_point_reachable(paths, dirs):
+    binds = tuple(Bind(f"/host{p}", p) for p in paths)
+    image = Image("/cache/sha256-x/rootfs", "/area/.overlay")
+    phase = Phase(View(binds=binds, image=image), 2_000_000_001, "/sandbox/work", ("true",))
+    points = confine.mount_points(phase, lambda source: dirs)
+    assert {p for p, _ in points} >= {*paths, confine.RUN_DIR}
+    staged = confine.stage_plan(phase)
+    script = confine.stage_script(image, staged, points)
+    # The overlay's lower layer is the cached root, its upper the area's: never the reverse.
+    assert (f"lowerdir={staged[image.rootfs]},upperdir={staged[image.overlay]}/upper,"
+            in script)
+    for path in paths:
+        assert shlex.quote(confine.STAGED_ROOT + path) in script
+        parent = os.path.dirname(path)
+        while parent != "/":
+            assert f"chmod o+x {shlex.quote(confine.STAGED_ROOT + parent)}" in script
+            parent = os.path.dirname(parent)
+    assert script.rstrip().endswith('exec "$@"')
+
+
+def test_image_command_line_roots_the_sandbox_in_the_overlay():
+    image = Image("/cache/sha256-x/rootfs", "/area/.overlay")
+    phase = Phase(View(binds=(Bind("/area/work", "/sandbox/work", True),), image=image),
+                  2_000_000_001, "/sandbox/work", ("true",))
+    staged = confine.stage_plan(phase)
+    system = confine.system_args({"usr": None, "bin": "usr/bin"}, confine.HOST_ROOT)
+    args = confine.inner_args(phase, system=system, staged=staged)
+    at = args.index("--bind")
+    assert args[at:at + 5] == ["--bind", confine.STAGED_ROOT, "/", "--tmpfs", confine.RUN_DIR]
+    assert ["--ro-bind", "/usr", f"{confine.HOST_ROOT}/usr"] == args[at + 5:at + 8]
+    # The root stays the writable overlay; rolltap's own directory is made read-only.
+    assert "/" not in [args[i + 1] for i, a in enumerate(args) if a == "--remount-ro"]
+    assert args[args.index("--remount-ro") + 1] == confine.RUN_DIR
+    outer = confine.outer_args(phase, staged, {image.overlay}, image_step=["sh", "-c", "x"])
+    assert "CAP_SYS_ADMIN" in outer and outer[-8:-5] == ["sh", "-c", "x"]
+    assert "CAP_SYS_ADMIN" not in confine.outer_args(phase, staged, set())
+
+
+@needs_root
+async def test_image_without_confinement_is_refused_clearly(tmp_path):
+    t = task(tmp_path, image="localhost/whatever:1", test=MARKER_TEST)
+    result = await LocalBackend(isolation="none").run(SandboxRequest(t, agent(WRITE_ANSWER),
+                                                                     ACCESS))
+    assert (result.status, result.reward) == ("setup_failed", None)
+    assert "--isolation bwrap" in result.reward_detail
