@@ -201,6 +201,24 @@ def mount_points(phase: Phase, is_dir: Callable[[str], bool]) -> list[tuple[str,
     return sorted(wanted.items())
 
 
+def _ancestors(path: str) -> list[str]:
+    """The directories above `path`, from the top (not `/`)."""
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+# A shell function of the root stage: fail on any argument that is a symbolic link.
+REFUSE_LINKS = f"""no_links() {{
+  for p in "$@"; do
+    if [ -L "$p" ]; then
+      echo "rolltap: the image has a symbolic link at ${{p#{STAGED_ROOT}}}, where the sandbox \
+mounts rolltap's files; remove it from the image" >&2
+      exit 125
+    fi
+  done
+}}"""
+
+
 def stage_script(image: Image, staged: Mapping[str, str],
                  points: Sequence[tuple[str, bool]]) -> str:
     """The root stage's shell step for an image: the overlay at STAGED_ROOT, its root owned and
@@ -208,19 +226,20 @@ def stage_script(image: Image, staged: Mapping[str, str],
     points made, and every directory above one searchable (not listable) by the sandbox."""
     lower, overlay = staged[image.rootfs], staged[image.overlay]
     q = shlex.quote
-    lines = ["set -e", f"mkdir -p {STAGED_ROOT} {overlay}/upper {overlay}/work",
+    lines = ["set -e", REFUSE_LINKS, f"mkdir -p {STAGED_ROOT} {overlay}/upper {overlay}/work",
              f"chown --reference={lower} {overlay}/upper",
              f"chmod --reference={lower} {overlay}/upper",
              f"mount -t overlay rolltap-image -o lowerdir={lower},upperdir={overlay}/upper,"
              f"workdir={overlay}/work {STAGED_ROOT}"]
     for path, is_dir in points:
         where = q(STAGED_ROOT + path)
-        parent = posixpath.dirname(path)
+        ancestors = _ancestors(path)
+        # The stage sees the host's files: a link in the image there would lead root out of it.
+        lines.append("no_links " + " ".join(q(STAGED_ROOT + p) for p in [*ancestors, path]))
         lines.append(f"mkdir -p {where}" if is_dir else
-                     f"mkdir -p {q(STAGED_ROOT + parent)}; [ -e {where} ] || : > {where}")
-        while parent != "/":
-            lines.append(f"chmod o+x {q(STAGED_ROOT + parent)}")
-            parent = posixpath.dirname(parent)
+                     f"mkdir -p {q(STAGED_ROOT + posixpath.dirname(path))}; "
+                     f"[ -e {where} ] || : > {where}")
+        lines += [f"chmod o+x {q(STAGED_ROOT + p)}" for p in ancestors]
     return "\n".join([*lines, 'exec "$@"'])
 
 

@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import shlex
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -285,8 +286,18 @@ def test_image_stage_makes_every_mount_point_reachable(paths, dirs):
     # The overlay's lower layer is the cached root, its upper the area's: never the reverse.
     assert (f"lowerdir={staged[image.rootfs]},upperdir={staged[image.overlay]}/upper,"
             in script)
+    lines = script.splitlines()
     for path in paths:
-        assert shlex.quote(confine.STAGED_ROOT + path) in script
+        chain, parent = [path], os.path.dirname(path)
+        while parent != "/":
+            chain.insert(0, parent)
+            parent = os.path.dirname(parent)
+        # Every component is checked for a link before anything is made through it.
+        check = "no_links " + " ".join(shlex.quote(confine.STAGED_ROOT + p) for p in chain)
+        where = shlex.quote(confine.STAGED_ROOT + path)
+        made = next(i for i, line in enumerate(lines)
+                    if line == f"mkdir -p {where}" or line.endswith(f"|| : > {where}"))
+        assert lines[made - 1] == check
         parent = os.path.dirname(path)
         while parent != "/":
             assert f"chmod o+x {shlex.quote(confine.STAGED_ROOT + parent)}" in script
@@ -319,3 +330,25 @@ async def test_image_without_confinement_is_refused_clearly(tmp_path):
                                                                      ACCESS))
     assert (result.status, result.reward) == ("setup_failed", None)
     assert "--isolation bwrap" in result.reward_detail
+
+
+@needs_root
+async def test_image_links_cannot_lead_the_root_stage_out(base_image, tmp_path):
+    """An image with a link where rolltap mounts (/sandbox -> a host path): the root stage
+    refuses it instead of making directories through it on the host."""
+    # An existing host directory outside /tmp (which the stage covers with a tmpfs of its
+    # own); a fixed name, so that the image is built once.
+    escape = Path("/var/tmp/rolltap-test-image-escape")
+    escape.mkdir(exist_ok=True)
+    ctx = tmp_path / "env"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(f"FROM {base_image}\nRUN ln -s {escape} /sandbox\n")
+    t = task(tmp_path, dockerfile="env", test=MARKER_TEST)
+    try:
+        result = await LocalBackend().run(SandboxRequest(t, agent(WRITE_ANSWER), ACCESS))
+        assert list(escape.iterdir()) == []
+    finally:
+        shutil.rmtree(escape, ignore_errors=True)
+    assert result.reward != 1.0
+    assert "symbolic link at /sandbox" in (result.agent.stderr if result.agent else ""), \
+        explain(result)
