@@ -229,7 +229,8 @@ def stage_script(image: Image, staged: Mapping[str, str],
     lines = ["set -e", REFUSE_LINKS, f"mkdir -p {STAGED_ROOT} {overlay}/upper {overlay}/work",
              f"chown --reference={lower} {overlay}/upper",
              f"chmod --reference={lower} {overlay}/upper",
-             f"mount -t overlay rolltap-image -o lowerdir={lower},upperdir={overlay}/upper,"
+             f"mount -t overlay rolltap-image -o nodev,nosuid,lowerdir={lower},"
+             f"upperdir={overlay}/upper,"
              f"workdir={overlay}/work {STAGED_ROOT}"]
     for path, is_dir in points:
         where = q(STAGED_ROOT + path)

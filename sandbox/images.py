@@ -273,16 +273,24 @@ def locate(ref: str | None = None, dockerfile: Build | None = None) -> tuple[str
 
 
 def base_image(tag: str = BASE_TAG, suite: str = BASE_SUITE,
-               packages: Sequence[str] = BASE_PACKAGES, mirror: str | None = None) -> str:
+               packages: Sequence[str] = BASE_PACKAGES, mirror: str | None = None,
+               keep: str | None = None) -> str:
     """A minimal Debian image made from Debian's packages with mmdebstrap and committed into
-    containers-storage as `tag` by buildah; no registry involved. Returns its digest."""
+    containers-storage as `tag` by buildah; no registry involved. With `keep`, mmdebstrap's
+    root filesystem tarball is kept at that path and used instead of the mirror when it is
+    there already (an offline rebuild). Returns the image's digest."""
     with tempfile.TemporaryDirectory(prefix="rolltap-base-") as tmp:
-        tarball = os.path.join(tmp, "rootfs.tar")
-        marker = f"rolltap base image: Debian {suite} ({', '.join(packages)})"
-        argv = [_tool("mmdebstrap"), "--variant=minbase", "--quiet",
-                f"--include={','.join(packages)}",
-                f"--customize-hook=echo '{marker}' > \"$1/{BASE_MARKER}\"", suite, tarball]
-        _run([*argv, *([mirror] if mirror else [])], f"mmdebstrap {suite}", BUILD_TIMEOUT_S)
+        tarball = keep or os.path.join(tmp, "rootfs.tar")
+        if not os.path.isfile(tarball):
+            marker = f"rolltap base image: Debian {suite} ({', '.join(packages)})"
+            partial = os.path.join(tmp, "partial.tar")
+            argv = [_tool("mmdebstrap"), "--variant=minbase", "--quiet",
+                    f"--include={','.join(packages)}",
+                    f"--customize-hook=echo '{marker}' > \"$1/{BASE_MARKER}\"", suite, partial]
+            _run([*argv, *([mirror] if mirror else [])], f"mmdebstrap {suite}",
+                 BUILD_TIMEOUT_S)
+            os.makedirs(os.path.dirname(os.path.abspath(tarball)), exist_ok=True)
+            shutil.move(partial, tarball)
         buildah = _tool("buildah")
         container = _run([buildah, "from", "scratch"], "buildah from scratch").stdout.strip()
         try:

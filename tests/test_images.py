@@ -284,8 +284,8 @@ def test_image_stage_makes_every_mount_point_reachable(paths, dirs):
     staged = confine.stage_plan(phase)
     script = confine.stage_script(image, staged, points)
     # The overlay's lower layer is the cached root, its upper the area's: never the reverse.
-    assert (f"lowerdir={staged[image.rootfs]},upperdir={staged[image.overlay]}/upper,"
-            in script)
+    assert (f"-o nodev,nosuid,lowerdir={staged[image.rootfs]},"
+            f"upperdir={staged[image.overlay]}/upper," in script)
     lines = script.splitlines()
     for path in paths:
         chain, parent = [path], os.path.dirname(path)

@@ -1,6 +1,6 @@
 """The test base image: made from Debian's packages by mmdebstrap (`rolltap image base`), once
-per package list; it stays in the machine's containers-storage across test runs, and its root
-filesystem in `.cache/images`."""
+per package list; it stays in the machine's containers-storage across test runs, mmdebstrap's
+tarball in `.cache/image-base` and its unpacked root in `.cache/images`."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ import os
 import pytest
 
 from sandbox import images
+from tests.support.gateway import REPO
 
-BASE_TAG = "localhost/rolltap-test-base:" + hashlib.sha256(
-    json.dumps([images.BASE_SUITE, images.BASE_PACKAGES]).encode()).hexdigest()[:12]
+KEY = hashlib.sha256(json.dumps([images.BASE_SUITE, images.BASE_PACKAGES]).encode()).hexdigest()
+BASE_TAG = f"localhost/rolltap-test-base:{KEY[:12]}"
+# mmdebstrap's output, kept: a machine whose containers-storage lost the image rebuilds it
+# offline from here.
+TARBALL = REPO / ".cache" / "image-base" / f"{KEY[:12]}.tar"
 
 
 def build_base_image() -> str:
@@ -22,7 +26,7 @@ def build_base_image() -> str:
     if os.geteuid() != 0:
         pytest.skip("image overlays need root")
     if images.inspect(BASE_TAG) is None:
-        images.base_image(BASE_TAG)
+        images.base_image(BASE_TAG, keep=str(TARBALL))
     return BASE_TAG
 
 
