@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     base.add_argument("--include", action="append", default=None, metavar="PACKAGE",
                       help="a Debian package to install; repeat (default python3, "
                       "python3-pytest, python-is-python3)")
+    base.add_argument("--keep", default=None, metavar="TARBALL",
+                      help="keep mmdebstrap's root filesystem here, and build from it without "
+                      "the mirror when it is already there (offline rebuilds)")
     base.add_argument("--mirror", default=None, help="Debian mirror URL (default: the "
                       "machine's apt sources)")
     base.set_defaults(func=_base)
@@ -58,7 +61,7 @@ def _base(args: argparse.Namespace) -> int:
     started = time.monotonic()
     print("building the base image with mmdebstrap (about half a minute)...", file=sys.stderr)
     digest = images.base_image(args.tag or images.BASE_TAG, args.suite or images.BASE_SUITE,
-                               args.include or images.BASE_PACKAGES, args.mirror)
+                               args.include or images.BASE_PACKAGES, args.mirror, args.keep)
     print(f"{args.tag or images.BASE_TAG} {digest} "
           f"({time.monotonic() - started:.1f} s)")
     return 0
