@@ -312,15 +312,15 @@ def base_image(tag: str = BASE_TAG, suite: str = BASE_SUITE,
 class Cache:
     """Unpacked images under `config.path`: `<name>/rootfs`, `<name>/entry.json` (whose
     mtime is the last use), `<name>.lock` (shared while a sandbox uses it, exclusive while
-    it is unpacked or removed)."""
+    it is removed), `<name>.unpack` (held while it is unpacked)."""
 
     def __init__(self, config: CacheConfig | None = None) -> None:
         self.config = config or CacheConfig.from_env()
         self.path = self.config.path
         os.makedirs(self.path, mode=0o755, exist_ok=True)
 
-    def _lock(self, digest: str) -> int:
-        return os.open(os.path.join(self.path, entry_name(digest) + ".lock"),
+    def _lock(self, digest: str, kind: str = "lock") -> int:
+        return os.open(os.path.join(self.path, f"{entry_name(digest)}.{kind}"),
                        os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
     def entries(self) -> list[Entry]:
@@ -344,13 +344,16 @@ class Cache:
         the duration of the block."""
         fd = self._lock(image.digest)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # from here on, prune leaves it alone
             if not os.path.isdir(self.rootfs(image.digest)):
-                # Upgrade to unpack; another sandbox may win the race and unpack it first.
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                if not os.path.isdir(self.rootfs(image.digest)):
-                    self._unpack(ref, image)
-                fcntl.flock(fd, fcntl.LOCK_SH)
+                # One unpack at a time; the others wait for it, then find it there.
+                unpacking = self._lock(image.digest, "unpack")
+                try:
+                    fcntl.flock(unpacking, fcntl.LOCK_EX)
+                    if not os.path.isdir(self.rootfs(image.digest)):
+                        self._unpack(ref, image)
+                finally:
+                    os.close(unpacking)
             os.utime(os.path.join(self.path, entry_name(image.digest), "entry.json"))
             yield self.rootfs(image.digest)
         finally:

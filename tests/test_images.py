@@ -15,8 +15,11 @@ import json
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -352,3 +355,54 @@ async def test_image_links_cannot_lead_the_root_stage_out(base_image, tmp_path):
     assert result.reward != 1.0
     assert "symbolic link at /sandbox" in (result.agent.stderr if result.agent else ""), \
         explain(result)
+
+
+@pytest.fixture(scope="session")
+def tiny_image(tmp_path_factory) -> str:
+    """A one-file image (buildah from scratch), for tests of the cache alone."""
+    if os.geteuid() != 0:
+        pytest.skip("buildah's store needs root here")
+    ref = "localhost/rolltap-test-tiny:1"
+    if images.inspect(ref) is None:
+        ctx = tmp_path_factory.mktemp("tiny")
+        (ctx / "hello.txt").write_text("hello\n")
+        (ctx / "Dockerfile").write_text("FROM scratch\nCOPY hello.txt /hello.txt\n")
+        subprocess.run(["buildah", "bud", "--quiet", "-t", ref, str(ctx)], check=True,
+                       capture_output=True)
+    return ref
+
+
+def test_first_uses_at_once_unpack_once_and_wait_only_for_the_unpack(tiny_image, tmp_path):
+    """Two sandboxes meet an image at once: one unpacks, the other waits for that alone, not
+    for the first sandbox to end."""
+    cache = images.Cache(images.CacheConfig(str(tmp_path / "cache")))
+    unpack = cache._unpack
+
+    def slow_unpack(ref, image):  # the other sandbox arrives while this one unpacks
+        time.sleep(0.5)
+        unpack(ref, image)
+
+    cache._unpack = slow_unpack
+    got: list[str] = []
+    both = threading.Barrier(2)
+    released = threading.Event()
+
+    def sandbox() -> None:
+        both.wait()
+        with images.rootfs_for(tiny_image, cache=cache) as path:
+            got.append(Path(path, "hello.txt").read_text())
+            released.wait(30)  # a long sandbox on it
+
+    threads = [threading.Thread(target=sandbox) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == ["hello\n", "hello\n"]
+    finally:
+        released.set()
+        for t in threads:
+            t.join()
+    assert [e.ref for e in cache.entries()] == [tiny_image]
