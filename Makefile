@@ -10,10 +10,12 @@ install: deps $(STAMP)
 
 # Debian packages the project needs: bubblewrap confines every sandbox phase, socat forwards
 # the gateway into a sandbox's network namespace, chromium and its driver run the trace
-# viewer's browser test (Playwright's own browser download cannot work offline). Installed as
-# root when missing; otherwise named.
-DEBS  := bubblewrap socat chromium chromium-driver
-TOOLS := bwrap socat chromium chromedriver
+# viewer's browser test (Playwright's own browser download cannot work offline); task images
+# (sandbox/images.py) take mmdebstrap for the registry-free base image, buildah to build a
+# task's Dockerfile, skopeo to look images up and pull them, umoci to unpack one into a root
+# filesystem (no podman, no daemon). Installed as root when missing; otherwise named.
+DEBS  := bubblewrap socat chromium chromium-driver mmdebstrap buildah skopeo umoci
+TOOLS := bwrap socat chromium chromedriver mmdebstrap buildah skopeo umoci
 deps:
 	@missing=""; for tool in $(TOOLS); do \
 	  command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \

@@ -125,10 +125,13 @@ def remove_tree(root: str) -> None:
         shutil.rmtree(root, onerror=unlock)
 
 
-def chown_tree(path: str, uid: int) -> None:
-    """Give `path` and everything under it to `uid` (never following a link)."""
+def chown_tree(path: str, uid: int, skip: str | None = None) -> None:
+    """Give `path` and everything under it to `uid` (never following a link), except its
+    entry named `skip` (an image's overlay, whose files keep the image's owners)."""
     os.lchown(path, uid, uid)
     for dirpath, dirnames, filenames in os.walk(path):
+        if dirpath == path and skip in dirnames:
+            dirnames.remove(skip)
         for name in [*dirnames, *filenames]:
             os.lchown(os.path.join(dirpath, name), uid, uid)
 

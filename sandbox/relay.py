@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import tempfile
+from collections.abc import Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from sandbox.confine import GATEWAY_SOCKET
@@ -58,10 +59,12 @@ def inside_url(url: str) -> str:
                        parts.fragment))
 
 
-def forwarded(argv: list[str], port: int) -> list[str]:
-    """`argv` started behind the in-sandbox forwarder on 127.0.0.1:`port`."""
-    return ["/bin/sh", "-c", FORWARD_SCRIPT, "rolltap-forward", str(port), GATEWAY_SOCKET,
-            *argv]
+def forwarded(argv: list[str], port: int, shell: Sequence[str] = ("/bin/sh",),
+              prelude: str = "") -> list[str]:
+    """`argv` started behind the in-sandbox forwarder on 127.0.0.1:`port`. In a task image,
+    `shell` and `prelude` make the script and its tools the host's (hostexec.py)."""
+    return [*shell, "-c", prelude + FORWARD_SCRIPT, "rolltap-forward", str(port),
+            GATEWAY_SOCKET, *argv]
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from sandbox.images import Build, ImageError, load_build
 from sandbox.pytest_report import pytest_command
 
 RewardKind = Literal["pytest", "binary", "script"]
@@ -56,6 +57,11 @@ class TaskSpec(msgspec.Struct, forbid_unknown_fields=True):
     # must leave as they are, such as its own tests or a conftest.py: any change scores 0 with
     # status `tampered`, and the verifier sees the originals.
     protected: list[str] = []
+    # The task's own root filesystem (sandbox/images.py): an image reference looked up in
+    # containers-storage (pulled when missing), or a directory (relative to the task file)
+    # holding a Dockerfile and its build context. Neither: the machine's own system.
+    image: str | None = None
+    dockerfile_dir: str | None = None
 
 
 # ---- the resolved, self-contained task ------------------------------------------------------
@@ -80,6 +86,8 @@ class Task(msgspec.Struct, frozen=True):
     # its tasks. They hold hidden tests (this task's and its siblings'), so the agent must not
     # see them.
     source_paths: tuple[str, ...] = ()
+    image: str | None = None
+    build: Build | None = None
 
 
 # ---- pure checks ----------------------------------------------------------------------------
@@ -221,6 +229,19 @@ def resolve_task(spec: TaskSpec, base: Path, source: str, lineno: int) -> Task:
         if problem := check_relative_path(name):
             raise _line_error(source, lineno, f'field "protected": {name!r}: {problem}')
         protected.append(str(PurePosixPath(name)))
+    if spec.image is not None and spec.dockerfile_dir is not None:
+        raise _line_error(source, lineno,
+                          'fields "image" and "dockerfile_dir": give one, not both')
+    if spec.image is not None and not spec.image.strip():
+        raise _line_error(source, lineno, 'field "image": must not be empty')
+    build = None
+    if spec.dockerfile_dir is not None:
+        if problem := check_relative_path(spec.dockerfile_dir):
+            raise _line_error(source, lineno, f'field "dockerfile_dir": {problem}')
+        try:
+            build = load_build(str(base / spec.dockerfile_dir))
+        except (ImageError, OSError) as exc:
+            raise _line_error(source, lineno, f'field "dockerfile_dir": {exc}') from None
     return Task(
         id=spec.id,
         prompt=spec.prompt,
@@ -230,6 +251,8 @@ def resolve_task(spec: TaskSpec, base: Path, source: str, lineno: int) -> Task:
         timeouts=spec.timeouts,
         metadata=spec.metadata,
         protected=tuple(protected),
+        image=spec.image,
+        build=build,
     )
 
 
@@ -240,7 +263,7 @@ def protected_files(task: Task) -> dict[str, bytes]:
 
 
 def _tree_dirs(spec: TaskSpec, base: Path) -> list[str]:
-    named = (spec.files_dir, spec.verifier.files_dir)
+    named = (spec.files_dir, spec.verifier.files_dir, spec.dockerfile_dir)
     return [os.path.realpath(base / d) for d in named if d is not None]
 
 

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sandbox import confine
+from sandbox import confine, images
 from sandbox.backends.base import RolloutAccess, SandboxRequest
 from sandbox.backends.local import LocalBackend
 from sandbox.confine import Bind, ConfinementError, Phase, View, covers, exposed, inner_args
@@ -35,6 +36,7 @@ from sandbox.limits import Limits
 from sandbox.presets import Harness
 from sandbox.tasks import Task, Timeouts, Verifier, load_tasks
 from tests.support.gateway import ADMIN_KEY
+from tests.support.images import base_image_fixture  # noqa: F401 (the base_image fixture)
 from tests.support.tasks import FIZZBUZZ_HIDDEN_TESTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,10 +197,17 @@ def run(*, prompt, base_url, api_key, model, workdir):
 
 
 @needs_root
+@pytest.mark.parametrize("on_image", [False, True], ids=["host", "image"])
 async def test_hostile_agent_and_solution_change_nothing(task_set, gateway, vllm_server,
-                                                         tmp_path):
+                                                         tmp_path, on_image, request):
+    """The same attacks, on the host's system and on a task image (sandbox/images.py)."""
     ts = task_set
     tasks = ts.tasks()
+    if on_image:
+        # The image's python runs the tests: without -I, so that it finds rolltap's plugin.
+        image = request.getfixturevalue("base_image")
+        tasks = {k: msgspec.structs.replace(t, image=image, verifier=msgspec.structs.replace(
+            t.verifier, command=VERIFY.replace(" -I", ""))) for k, t in tasks.items()}
     hostile_rollout = gateway.new_rollout(task_id="hostile")
     honest_rollout = gateway.new_rollout(task_id="honest")
     ts.secrets.append(honest_rollout["api_key"])
@@ -219,6 +228,7 @@ async def test_hostile_agent_and_solution_change_nothing(task_set, gateway, vllm
                              pythonpath=(str(honest_dir),))
     # Through the gateway's own Unix socket: what a sandbox reaches there is the gateway itself.
     backend = LocalBackend(root=str(ts.sandboxes), gateway_socket=str(gateway.unix_socket))
+    started = time.time()
     bad, good = await asyncio.gather(
         backend.run(SandboxRequest(hostile, hostile_harness, access_for(hostile_rollout),
                                    private_paths=(str(ts.state_file),))),
@@ -228,6 +238,9 @@ async def test_hostile_agent_and_solution_change_nothing(task_set, gateway, vllm
 
     # The honest sibling is untouched by its neighbour.
     assert (good.status, good.reward, good.isolation) == ("ok", 1.0, "bwrap"), good.agent.stderr
+    if on_image:  # both ran on the image's root filesystem, held from the cache
+        used = {e.ref: e.last_used for e in images.Cache().entries()}
+        assert used[tasks["hostile"].image] >= started
     assert bad.status == "ok", bad.agent.stderr[-3000:]
     report = json.loads(bad.agent.stdout.strip().splitlines()[-1])
 

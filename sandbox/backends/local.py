@@ -12,6 +12,12 @@ Order inside one sandbox (layout.py has the directories, confine.py the confinem
      the protected originals bound read-only; its report read from a pipe (verifier.py);
   5. the areas unmounted and the directories removed.
 
+A task with an image (`image` or `dockerfile_dir`) has it found, pulled or built and unpacked
+first (images.py; a failure leaves the rollout unscorable, reward None), held for the whole
+sandbox; every phase then sees it as `/` under an overlay of its own area (confine.py), runs the
+image's PATH, and gets rolltap's programs (the harness, the gateway forwarder) run with the
+host's loader (hostexec.py).
+
 Each phase also runs with rlimits and in a cgroup of its own, with a wall-clock timeout and
 bounded output (process.py). `isolation="none"` runs the same steps unconfined: the explicit
 opt-out, recorded in every result.
@@ -19,9 +25,11 @@ opt-out, recorded in every result.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import os
+import shutil
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -30,7 +38,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from sandbox import confine
+from sandbox import confine, hostexec, images
 from sandbox.backends.base import (
     Isolation,
     SandboxRequest,
@@ -39,7 +47,7 @@ from sandbox.backends.base import (
     decide_reward,
     needs_verifier,
 )
-from sandbox.confine import Bind, Phase, View
+from sandbox.confine import Bind, Image, Phase, View
 from sandbox.layout import (
     INSIDE_DIRS,
     CopyOverflow,
@@ -73,6 +81,14 @@ from sandbox.verifier import (
     verify,
 )
 
+# PATH inside an image (the usual one of Debian and of Docker's images).
+IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# An image's overlay in each area (its size bound is the area's); its files keep the image's
+# owners.
+OVERLAY = ".overlay"
+# Host tools of the gateway forwarder (relay.py), brought into an image.
+FORWARDER_TOOLS = ("socat", "grep", "sleep")
+
 # Room in the verifier's area beyond the agent's whole disk (its copy) for what tests write.
 VERIFIER_DISK_MARGIN_MB = 256
 
@@ -93,6 +109,7 @@ class _Sandbox:
         task = request.task
         self.hidden = confine.hidden_kinds([*task.source_paths, *request.private_paths, parent])
         self.path = sandbox_path()
+        self.rootfs: str | None = None  # the task image's root filesystem, once held
         self.warnings: list[str] = []
         if self.confined and not own:
             self.warnings.append("not root: every phase ran as the runner's own uid (separate "
@@ -122,12 +139,17 @@ class _Sandbox:
         if not self.confined:
             return await run_contained(argv, cwd=dirs.work, **common)
         passwd, group = write_identity(self.root, uid)
+        image = None
+        if self.rootfs is not None:
+            image = Image(self.rootfs, os.path.join(dirs.root, OVERLAY))
+            os.makedirs(image.overlay, mode=0o700, exist_ok=True)
         view = View(
             binds=(Bind(dirs.work, INSIDE_DIRS.work, True), Bind(dirs.home, INSIDE_DIRS.home, True),
                    Bind(dirs.tmp, INSIDE_DIRS.tmp, True), Bind(passwd, "/etc/passwd"),
                    Bind(group, "/etc/group"), *binds),
             hidden=self.hidden,
             gateway_socket=gateway_socket,
+            image=image,
         )
         phase = Phase(view, uid, INSIDE_DIRS.work, tuple(argv))
         return await run_contained(confine.command(phase), cwd=dirs.root, confined=True,
@@ -135,18 +157,56 @@ class _Sandbox:
 
     def give(self, dirs: SandboxDirs, uid: int) -> None:
         if self.own_uids:
-            chown_tree(dirs.root, uid)
+            chown_tree(dirs.root, uid, skip=OVERLAY)
 
-    async def run(self) -> SandboxResult:
+    async def hold_image(self, stack: contextlib.ExitStack) -> str | None:
+        """The task image's root filesystem, held until `stack` closes; why not, if it cannot
+        be had."""
+        task = self.request.task
+        if not self.confined:
+            return "task images need --isolation bwrap (an image is the sandbox's root)"
+        if not self.own_uids:
+            return confine.NO_IMAGE_WITHOUT_ROOT
+        try:
+            self.rootfs = await asyncio.to_thread(stack.enter_context, images.rootfs_for(
+                task.image, task.build, self.backend.image_cache))
+        except images.ImageError as exc:
+            return str(exc)
+        return None
+
+    def env(self, dirs: SandboxDirs) -> dict[str, str]:
+        if self.rootfs is None:
+            return base_env(INSIDE_DIRS if self.confined else dirs, self.path)
+        # The image's PATH and python; rolltap's pytest plugin importable by that python.
+        package = os.path.dirname(os.path.dirname(os.path.abspath(confine.__file__)))
+        return base_env(INSIDE_DIRS, IMAGE_PATH) | {"PYTHONPATH": package}
+
+    @property
+    def python(self) -> str:
+        """The interpreter that runs the pytest launcher: rolltap's own on the host; inside an
+        image the image's, whose packages the task's tests need (the launcher is bound in at
+        its host path, and `-I` keeps the work directory off its import path)."""
+        return sys.executable if self.rootfs is None else "python3"
+
+    def host_argv(self, argv: list[str]) -> list[str]:
+        """The harness's command line; inside an image, run with the host's loader."""
+        if self.rootfs is None:
+            return argv
+        return hostexec.wrap(argv, lambda name: shutil.which(name, path=self.path))
+
+    async def run(self, stack: contextlib.ExitStack) -> SandboxResult:
         request, backend = self.request, self.backend
         task, harness, access = request.task, request.harness, request.access
         isolation: Isolation = "bwrap" if self.confined else "none"
         agent_limits = harness_limits(harness)
         inside = INSIDE_DIRS if self.confined else None
+        if task.image is not None or task.build is not None:
+            if problem := await self.hold_image(stack):
+                return self.result("setup_failed", None, f"task image: {problem}")
 
         dirs = self.area("agent", agent_limits.disk_mb)
         write_files(dirs.work, task.files)
-        env = base_env(inside or dirs, self.path)
+        env = self.env(dirs)
         setup = None
         if task.setup:
             self.give(dirs, self.agent_uid)
@@ -167,11 +227,19 @@ class _Sandbox:
         self.give(dirs, self.agent_uid)
         argv, relay, gateway_socket = launch.argv, None, None
         if self.confined:
+            try:
+                harness_argv = self.host_argv(launch.argv)
+                shell, prelude = ["/bin/sh"], ""
+                if self.rootfs is not None:
+                    shell = self.host_argv(["/bin/sh"])
+                    prelude = hostexec.host_shell_prelude(FORWARDER_TOOLS)
+            except hostexec.HostProgramError as exc:
+                return self.result("setup_failed", None, f"harness: {exc}", setup=setup)
             gateway_socket = backend.gateway_socket
             if gateway_socket is None:
                 relay = await Relay.start(access.openai_base_url)
                 gateway_socket = relay.path
-            argv = forwarded(launch.argv, inside_port(access.openai_base_url))
+            argv = forwarded(harness_argv, inside_port(access.openai_base_url), shell, prelude)
         try:
             agent = await self.phase(argv, dirs, self.agent_uid, env | launch.env, agent_limits,
                                      task.timeouts.agent_s,
@@ -234,11 +302,11 @@ class _Sandbox:
                                   "ok", None, 0.0)
         self.give(dirs, self.verifier_uid)
         run = self.runner(dirs, task.timeouts.verifier_s, binds)
-        return await verify(kind, command, run, sys.executable, expected, sentinels)
+        return await verify(kind, command, run, self.python, expected, sentinels)
 
     def runner(self, dirs: SandboxDirs, timeout_s: float, binds: Sequence[Bind]) -> Run:
         """Runs a verifier process in `dirs` as the verifier's uid, without network."""
-        env = base_env(INSIDE_DIRS if self.confined else dirs, self.path)
+        env = self.env(dirs)
         read_only = [*self.read_only([]), *binds]
 
         async def run(argv: Sequence[str], extra: Mapping[str, str],
@@ -262,7 +330,7 @@ class _Sandbox:
         self.give(dirs, self.verifier_uid)
         run = self.runner(dirs, task.timeouts.verifier_s, [])
         keep = [*task.verifier.files, *protected_files(task)]
-        tests = await collect(run, task.verifier.command, sys.executable, keep)
+        tests = await collect(run, task.verifier.command, self.python, keep)
         self.backend.expected[digest] = tests
         return tests
 
@@ -286,6 +354,7 @@ class LocalBackend:
         isolation: Isolation = "bwrap",
         gateway_socket: str | None = None,
         read_only_paths: Sequence[str] = (),
+        image_cache: images.Cache | None = None,
     ) -> None:
         """`root`: where sandbox directories are made (default: a directory of this user's in
         the system temp dir); no phase sees any of it but its own area. `task_limits`: limits
@@ -295,7 +364,8 @@ class LocalBackend:
         the package where bubblewrap is missing), "none" runs them unconfined.
         `gateway_socket`: the gateway's own Unix socket (`rolltap gateway --unix-socket`),
         bound into sandboxes instead of a relay to its TCP address. `read_only_paths`: more
-        host paths confined harnesses may read (a Node.js outside /usr, say)."""
+        host paths confined harnesses may read (a Node.js outside /usr, say). `image_cache`:
+        where task images are unpacked (default: images.CacheConfig.from_env())."""
         if isolation not in ("bwrap", "none"):
             raise ValueError(f"isolation must be bwrap or none, not {isolation!r}")
         if isolation == "bwrap":
@@ -309,13 +379,15 @@ class LocalBackend:
         self.read_only_paths = tuple(read_only_paths)
         # Expected tests by task content: collected once on the task's own files.
         self.expected: dict[str, frozenset[str]] = {}
+        self.image_cache = image_cache
 
     async def run(self, request: SandboxRequest) -> SandboxResult:
         _check_urls(request)
         parent = sandbox_parent(self.root)
         root = make_root(parent, request.task.id)
         try:
-            return await _Sandbox(self, request, root, parent).run()
+            with contextlib.ExitStack() as stack:
+                return await _Sandbox(self, request, root, parent).run(stack)
         finally:
             with contextlib.suppress(OSError):
                 release_areas(root, keep=self.keep_dirs)
