@@ -4,6 +4,8 @@ before its first rollout).
 
 POST adds a replica, or with `"draining": true` stops new calls to it while its in-flight calls
 finish (its rollouts move on their next call, recorded as rerouted). DELETE removes it.
+`POST /admin/upstreams/pause-lease` is a bridge's lease on a replica it paused (see
+`gateway.upstream`): renew it while the push lasts, end it with `"seconds": 0`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ routes = web.RouteTableDef()
 class UpstreamChange(msgspec.Struct, forbid_unknown_fields=True):
     url: str
     draining: bool = False
+
+
+class PauseLease(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    seconds: float
 
 
 def _checked_url(url: str) -> str:
@@ -71,4 +78,17 @@ async def remove_upstream(request: web.Request) -> web.Response:
         raise GatewayError(400, "name the replica: DELETE /admin/upstreams?url=URL", param="url")
     if svc.upstreams.remove(url) is None:
         raise GatewayError(404, f"no upstream {url}", "not_found_error", param="url")
+    return _listing(svc)
+
+
+@routes.post("/admin/upstreams/pause-lease")
+async def lease_pause(request: web.Request) -> web.Response:
+    svc = _services(request)
+    spec = _decode(await request.read(), PauseLease)
+    if not 0 <= spec.seconds <= 3600:
+        raise GatewayError(400, "seconds must be between 0 (the lease ends) and 3600: renew a "
+                           "lease while the push lasts rather than taking a long one",
+                           param="seconds")
+    if svc.upstreams.lease_pause(_checked_url(spec.url), spec.seconds) is None:
+        raise GatewayError(404, f"no upstream {spec.url}", "not_found_error", param="url")
     return _listing(svc)

@@ -190,6 +190,9 @@ async def healthz(request: web.Request) -> web.Response:
             "status": "ok" if healthy else "degraded",
             "database": database,
             "upstreams": upstreams,
+            # replica -> unix time since which it is paused (a weight push)
+            "paused": {r.url: r.paused_since for r in svc.upstreams.replicas.values()
+                       if r.paused_since is not None},
             "policy_version": svc.policy_version,
             "recorder": {
                 "commits": st.commits,

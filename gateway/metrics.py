@@ -51,12 +51,18 @@ class _Replicas(Collector):
             "failed probes and calls since the replica's last success",
             labels=["replica"],
         )
+        paused = GaugeMetricFamily(
+            "rolltap_replica_paused_since_seconds",
+            "unix time since which the replica is paused (a weight push); 0 if it is not",
+            labels=["replica"],
+        )
         for r in self._replicas():
             state = r.describe()["state"]
             healthy.add_metric([r.url, state], 1.0 if state == "healthy" else 0.0)
             in_flight.add_metric([r.url], r.in_flight)
             failures.add_metric([r.url], r.health.failures)
-        yield from (healthy, in_flight, failures)
+            paused.add_metric([r.url], r.paused_since or 0.0)
+        yield from (healthy, in_flight, failures, paused)
 
 
 class Metrics:

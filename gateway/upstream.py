@@ -3,6 +3,12 @@
 Placement is sticky: a rollout's calls stay on the replica of its last call (its prompt prefix
 is cached there) unless that replica is ejected, draining or removed; then the next call goes
 to the best live replica by rendezvous hashing and is recorded as rerouted, with the reason.
+
+Paused engines: a trainer bridge pauses replicas to load new weights, and one that dies mid-push
+would leave them paused, every call on them frozen. So a bridge leases the pause from the
+gateway (`lease_pause`, renewed while it pushes), and the prober resumes a paused replica whose
+lease ran out. A pause nobody leased (an operator's) is left alone; both are reported
+(`paused_since`).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ _PLACEMENTS_KEPT = 200_000  # rollouts whose replica is remembered in memory
 
 
 class Replica:
-    __slots__ = ("url", "seed", "draining", "health", "in_flight", "_aborts")
+    __slots__ = ("url", "seed", "draining", "health", "in_flight", "_aborts", "paused_since",
+                 "pause_lease_until")
 
     def __init__(self, url: str, eject_after: int) -> None:
         self.url = url
@@ -36,6 +43,8 @@ class Replica:
         # Calls waiting for a whole (non-streamed) response: a frozen engine never answers
         # them, so ejecting the replica ends them (streams have their own idle timeout).
         self._aborts: set[Callable[[str], None]] = set()
+        self.paused_since: float | None = None  # wall clock, when a probe first saw it paused
+        self.pause_lease_until: float | None = None  # monotonic; None: no bridge holds one
 
     @property
     def available(self) -> bool:
@@ -56,7 +65,15 @@ class Replica:
             "last_failure": h.reason,
             # how long it has been ejected or back (None: never ejected)
             "state_for_s": round(time.monotonic() - h.since, 1) if h.since else None,
+            "paused_since": self.paused_since,
+            "pause_lease_s": None if self.pause_lease_until is None
+            else round(max(self.pause_lease_until - time.monotonic(), 0.0), 1),
         }
+
+
+def pause_expired(paused: bool, lease_until: float | None, now: float) -> bool:
+    """A paused replica is to be resumed: the bridge that leased its pause stopped renewing."""
+    return paused and lease_until is not None and now >= lease_until
 
 
 class Upstreams:
@@ -221,6 +238,40 @@ class Upstreams:
         while True:
             await asyncio.sleep(self._probe_interval_s)
             await self.health()
+            await self.watch_pauses()
+
+    def lease_pause(self, url: str, seconds: float) -> Replica | None:
+        """A bridge holds `url` paused for `seconds` more (0: it resumed it, the lease ends)."""
+        replica = self.replicas.get(url.rstrip("/"))
+        if replica is not None:
+            replica.pause_lease_until = time.monotonic() + seconds if seconds > 0 else None
+        return replica
+
+    async def watch_pauses(self) -> None:
+        """Note which replicas are paused, and resume those whose pause lease ran out."""
+        timeout = aiohttp.ClientTimeout(total=self._probe_timeout_s)
+
+        async def one(replica: Replica) -> None:
+            try:
+                assert self.session is not None
+                async with self.session.get(replica.url + "/is_paused", timeout=timeout) as resp:
+                    # 404: a vLLM without VLLM_SERVER_DEV_MODE, which cannot be paused either.
+                    paused = resp.status == 200 and bool((await resp.json())["is_paused"])
+                if not paused:
+                    replica.paused_since = None
+                    return
+                replica.paused_since = replica.paused_since or time.time()
+                if pause_expired(paused, replica.pause_lease_until, time.monotonic()):
+                    log.warning("replica %s: the bridge that paused it stopped renewing its "
+                                "lease (it died mid-push?); resuming it", replica.url)
+                    async with self.session.post(replica.url + "/resume", timeout=timeout) as r:
+                        if r.status == 200:
+                            replica.pause_lease_until = None
+                            replica.paused_since = None
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError) as exc:
+                log.warning("replica %s: pause check failed: %s", replica.url, exc)
+
+        await asyncio.gather(*(one(r) for r in self._list))
 
     async def health(self, timeout_s: float | None = None) -> dict[str, str]:
         """Probes every replica's /health, feeding the result into its health state; each

@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.store.tokens import ids_from_bytes
 from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
 from tests.support.vllm import TINY_MODEL_NAME
+from trainer_bridge import resume
 from trainer_bridge.config import match_arg
 from trainer_bridge.serve_model import start_vllm
 from trainer_bridge.toy_task import ToyTask, run_toy_rollouts
@@ -274,11 +275,11 @@ def test_toy_task_training_raises_the_reward(untied_model, replicas, training_ga
 # -- exactly once, across crashes -----------------------------------------------------------
 
 # Each point kills the bridge the Nth time it gets there (SIGKILL, no cleanup): after a claim;
-# after samples reached the trainer's queue; inside an optimizer step's micro-batch; after
-# `optimizer.step()` and before the step is acknowledged in the delivery log. A step takes about
-# 3 samples and a claim 4, so the sixth claim and put come a few steps in: every run trains
-# something and leaves groups half trained.
-CRASHES = [("after_claim", 6), ("after_put", 6), ("during_step", 2), ("after_step", 2)]
+# inside an optimizer step's micro-batch; after the step is in the delivery log and before its
+# checkpoint; after a push is announced, the replicas still paused. A step takes about 3 samples
+# and a claim 4, so the sixth claim comes a few steps in: every run trains something and leaves
+# groups half trained. Every bridge after the first resumes from the checkpoints.
+CRASHES = [("after_claim", 6), ("during_step", 2), ("after_log", 2), ("after_announce", 3)]
 
 
 async def _run_state(database_url: str, run: str) -> tuple[dict, list]:
@@ -300,8 +301,23 @@ async def _run_state(database_url: str, run: str) -> tuple[dict, list]:
     return {r["id"]: (r["consumed"], r["traces"]) for r in rollouts}, log
 
 
-def _crash_runs(command, env, tmp_path, database_url, run, trained_per_run) -> None:
-    """One bridge per crash point, each killed there; what the log holds after each."""
+def _chat_s(gateway_url: str) -> float:
+    """Seconds a one-token chat call through the gateway takes to complete."""
+    rollout = httpx.post(f"{gateway_url}/admin/rollouts", json={}, timeout=30,
+                         headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+    started = time.monotonic()
+    response = httpx.post(
+        f"{rollout['openai_base_url']}/chat/completions", timeout=60,
+        headers={"Authorization": f"Bearer {rollout['api_key']}"},
+        json={"model": TINY_MODEL_NAME, "max_tokens": 1,
+              "messages": [{"role": "user", "content": "Hi"}]})
+    response.raise_for_status()
+    return time.monotonic() - started
+
+
+def _crash_runs(command, env, tmp_path, database_url, run, trained_per_run, gateway_url) -> None:
+    """One bridge per crash point, each killed there; what the log holds after each. Right
+    after the kill mid-push, a chat call through the gateway must complete within 10 s."""
     for point, nth in CRASHES:
         out = tmp_path / point
         log_path = tmp_path / f"{point}.log"
@@ -314,7 +330,10 @@ def _crash_runs(command, env, tmp_path, database_url, run, trained_per_run) -> N
         except subprocess.TimeoutExpired:
             bridge.kill()
             pytest.fail(f"the bridge never reached {point}:\n{log_path.read_text()[-4000:]}")
+        # Killed at its crash point: no bridge crashed by itself.
         assert code == -signal.SIGKILL, log_path.read_text()[-4000:]
+        if point == "after_announce":
+            trained_per_run.append(("chat_s", _chat_s(gateway_url)))
         _, delivered = asyncio.run(_run_state(database_url, run))
         trained_per_run.append((point, sum(d["outcome"] == "trained" for d in delivered)))
 
@@ -349,13 +368,18 @@ def test_a_bridge_killed_at_every_seam_trains_every_rollout_exactly_once(
         # group spans steps and every crash point lands between the steps of one group.
         "--token-budget", "300", "--queue-size", "6", "--lease-seconds", "3",
         # Restarts count versions anew: the rollouts recorded before must not go stale.
-        "--max-staleness", "1000000", "--max-attempts", "100", "--threads", "1",
+        "--max-staleness", "1000000", "--threads", "1",
         "--match", match_arg("run", run),
+        # Crashes alone must not quarantine a group, however many there are.
+        "--max-attempts", "2",
+        # Every checkpoint is kept, so the optimizer state around each resume can be compared.
+        "--resume", "--checkpoint-dir", str(tmp_path / "ckpt"), "--keep-checkpoints", "1000",
     ]
     env = {**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY}
     trained_per_run = []
     try:
-        _crash_runs(command, env, tmp_path, database_url, run, trained_per_run)
+        _crash_runs(command, env, tmp_path, database_url, run, trained_per_run,
+                    training_gateway.url)
     except BaseException:
         stop.set()
         driver.join(timeout=120)
@@ -363,7 +387,7 @@ def test_a_bridge_killed_at_every_seam_trains_every_rollout_exactly_once(
         raise
 
     # The last bridge is not killed: it trains on until every rollout recorded before the
-    # crashes is consumed.
+    # crashes is consumed and in a checkpoint (stopped before, it would put them back).
     log_path = tmp_path / "final.log"
     with log_path.open("w") as log:
         bridge = subprocess.Popen([*command, "--output-dir", str(tmp_path / "final")], cwd=REPO,
@@ -372,7 +396,8 @@ def test_a_bridge_killed_at_every_seam_trains_every_rollout_exactly_once(
         deadline = time.monotonic() + 400
         while True:
             state, delivered = asyncio.run(_run_state(database_url, run))
-            if all(state[rid][0] for rid in initial):
+            if all(state[rid][0] for rid in initial) and _checkpointed(
+                    tmp_path / "ckpt", [d for d in delivered if d["rollout_id"] in initial]):
                 break
             assert bridge.poll() is None, log_path.read_text()[-4000:]
             assert time.monotonic() < deadline, (
@@ -403,10 +428,76 @@ def test_a_bridge_killed_at_every_seam_trains_every_rollout_exactly_once(
     # it splits follows the machine's load (a full-suite run on a busy machine saw one
     # crashed bridge train 37 of the 44 and the last one 7), so only the split is required.
     assert len(owners) >= 2, owners
-    counts = [n for _, n in trained_per_run]
-    assert counts == sorted(counts) and counts[-1] > 0
+    [chat_s] = [s for point, s in trained_per_run if point == "chat_s"]
+    assert chat_s < 10, f"a chat call took {chat_s:.1f} s after a bridge died mid-push"
+    counts = [n for point, n in trained_per_run if point != "chat_s"]
+    assert counts[-1] > 0
+    # Each restarted bridge resumed, and no group was quarantined by the crashes.
+    for point, _ in CRASHES[1:]:
+        assert "rolltap bridge: resuming from" in (tmp_path / f"{point}.log").read_text()
+    assert "rolltap bridge: resuming from" in log_path.read_text()
+    faults = asyncio.run(_faults(database_url, run))
+    assert faults == {"quarantined": 0, "attempts": 0}, faults
+
+    # The log and the weights agree: every step the log says trained is in the history of the
+    # final checkpoint, which is what a resume would start from.
+    checkpoint = resume.newest_resumable(tmp_path / "ckpt")
+    history = resume.read_history(checkpoint)
+    trained = {(d["owner"], d["step"]) for d in delivered if d["outcome"] == "trained"}
+    assert trained and all(0 < step <= history.get(owner, -1) for owner, step in trained), (
+        sorted(trained), history)
+
+    # The optimizer state survives a resume: a resumed bridge's first checkpoint (its initial
+    # push, before any step) holds the optimizer state it resumed with, moments and all.
+    compared = _compare_resumed_optimizers(tmp_path / "ckpt")
+    assert compared >= 2, compared
     print(f"\ntrained in the delivery log after each crash: {trained_per_run}; "
-          f"initial rollouts trained by {len(owners)} bridges: {sorted(owners.values())}")
+          f"initial rollouts trained by {len(owners)} bridges: {sorted(owners.values())}; "
+          f"chat call after a kill mid-push: {chat_s:.1f} s; optimizer state compared across "
+          f"{compared} resumes; final checkpoint {checkpoint.name} holds {history}")
+
+
+def _checkpointed(checkpoint_dir, delivered) -> bool:
+    """The steps of these deliveries are all in the newest resumable checkpoint."""
+    checkpoint = resume.newest_resumable(checkpoint_dir)
+    history = resume.read_history(checkpoint) if checkpoint else {}
+    return all(d["step"] <= history.get(d["owner"], -2) for d in delivered)
+
+
+async def _faults(database_url: str, run: str) -> dict:
+    conn = await asyncpg.connect(database_url)
+    try:
+        row = await conn.fetchrow(
+            "SELECT count(*) FILTER (WHERE quarantined_at IS NOT NULL) AS quarantined,"
+            " coalesce(max(delivery_attempts), 0) AS attempts FROM rollouts"
+            " WHERE metadata @> jsonb_build_object('run', $1::text)", run)
+    finally:
+        await conn.close()
+    return dict(row)
+
+
+def _compare_resumed_optimizers(checkpoint_dir) -> int:
+    """Checkpoints written at the same step as the one before them are a resumed bridge's first:
+    their optimizer state must equal the one it resumed from. Returns how many were compared
+    (those with moments to compare: resumed after a step)."""
+    from trainer_bridge.weights import checkpoint_index
+
+    checkpoints = sorted((p for p in checkpoint_dir.iterdir() if checkpoint_index(p)),
+                         key=checkpoint_index)
+    compared = 0
+    for before, after in zip(checkpoints, checkpoints[1:], strict=False):
+        if not (resume.resumable(before) and resume.resumable(after)):
+            continue
+        step = json.loads((before / resume.TRAINER_STATE_FILE).read_text())["global_step"]
+        if json.loads((after / resume.TRAINER_STATE_FILE).read_text())["global_step"] != step:
+            continue
+        old, new = (torch.load(p / "optimizer.pt", weights_only=True) for p in (before, after))
+        assert old["state"].keys() == new["state"].keys()
+        for key, moments in old["state"].items():
+            for name, value in moments.items():
+                assert torch.equal(value, new["state"][key][name]), (after.name, key, name)
+        compared += step > 0 and bool(old["state"])
+    return compared
 
 
 # -- plain chat trains; what trains nothing says why ------------------------------------------

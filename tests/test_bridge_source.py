@@ -246,7 +246,7 @@ async def test_a_claim_takes_the_whole_group_or_nothing(lease_pool):
             assert await asyncio.wait_for(claim, 10) is None  # skipped, not waited for
         claimed = await deliveries.claim_group(other, "B", "g-all", match, 30)
     assert sorted(r["id"] for r in claimed) == sorted(ids)
-    assert all(r["delivery_attempts"] == 1 for r in claimed)
+    assert all(r["delivery_attempts"] == 0 for r in claimed)
 
 
 async def test_a_lease_runs_out_and_its_old_owner_changes_nothing(lease_pool):
@@ -263,7 +263,7 @@ async def test_a_lease_runs_out_and_its_old_owner_changes_nothing(lease_pool):
             assert time.monotonic() < deadline, "the lease never ran out"
             await asyncio.sleep(0.2)
         claimed = await deliveries.claim_group(conn, "B", "g-lease", match, 30)
-        assert [r["delivery_attempts"] for r in claimed] == [2, 2]
+        assert [r["delivery_attempts"] for r in claimed] == [0, 0]
         with pytest.raises(deliveries.LeaseLost):
             await deliveries.release_group(conn, "A", dict.fromkeys(ids, 0.5), [], [])
         await deliveries.release_group(conn, "B", dict.fromkeys(ids, 0.5), [], [])
@@ -422,7 +422,7 @@ async def test_a_group_that_always_fails_is_quarantined_and_the_rest_flows(
     assert len(drain.samples) == 2
     async with lease_pool.acquire() as conn:
         assert await conn.fetchval(
-            "SELECT max(delivery_attempts) FROM rollouts WHERE id = ANY($1)", bad) == 4
+            "SELECT max(delivery_attempts) FROM rollouts WHERE id = ANY($1)", bad) == 3
         assert sum((await _delivery_log(conn, match)).values()) == 2
 
 
@@ -761,3 +761,36 @@ def test_check_health_raises_once_the_feeder_died():
             time.sleep(0.1)
     finally:
         source.stop()
+
+
+async def test_a_resume_takes_back_the_steps_after_its_checkpoint(lease_pool):
+    """Steps A logged after its checkpoint's step 1 go back to the queue, with their leases
+    still A's (a claim takes them at once, counting no fault); steps of bridges the checkpoint
+    does not know, and A's release-time entries, stay."""
+    match = {"run": uuid.uuid4().hex}
+    # Bridge names are unique (host, pid, random), and a revert is by name: so are these.
+    a, b, c = (f"{name}-{match['run'][:8]}" for name in "ABC")
+    first = await _rollouts(lease_pool, "g-first", 2, match, traces=[_trace([1, 1])])
+    later = await _rollouts(lease_pool, "g-later", 2, match, traces=[_trace([1, 1])])
+    other = await _rollouts(lease_pool, "g-other", 1, match, traces=[_trace([1, 1])])
+    async with lease_pool.acquire() as conn:
+        for group, owner, ids in (("g-first", a, first), ("g-later", a, later),
+                                  ("g-other", b, other)):
+            await deliveries.claim_group(conn, owner, group, match, 60)
+            await deliveries.release_group(conn, owner, dict.fromkeys(ids, 0.5), [], [])
+        await deliveries.acknowledge(conn, a, 1, [(rid, 0, "trained") for rid in first])
+        await deliveries.acknowledge(conn, a, 2, [(rid, 0, "trained") for rid in later])
+        await deliveries.acknowledge(conn, b, 7, [(rid, 0, "trained") for rid in other])
+        assert sorted(await deliveries.revert_steps_after(conn, {a: 1})) == sorted(later)
+        assert await deliveries.revert_steps_after(conn, {a: 1}) == []  # idempotent
+        assert await _delivery_log(conn, match) == Counter(
+            (rid, 0, "trained") for rid in [*first, *other])
+        rows = await conn.fetch("SELECT id, consumed_at IS NULL AS queued, lease_owner, advantage"
+                                " FROM rollouts WHERE id = ANY($1)", [*first, *later, *other])
+        assert {r["id"] for r in rows if r["queued"]} == set(later)
+        [pending] = await deliveries.pending_groups(conn, match)
+        assert pending["group_key"] == "g-later" and not pending["leased"]
+        claimed = await deliveries.claim_group(conn, c, "g-later", match, 60)
+    assert sorted(r["id"] for r in claimed) == sorted(later)
+    assert [r["delivery_attempts"] for r in claimed] == [0, 0]
+    assert [r["advantage"] for r in claimed] == [0.5, 0.5]  # trained again with the same numbers

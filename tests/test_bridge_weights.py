@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.support.gateway import ADMIN_KEY, GatewayProcess
 from trainer_bridge.weights import (
@@ -21,6 +21,7 @@ from trainer_bridge.weights import (
     WeightSyncError,
     check_names,
     checkpoint_names,
+    remove_partial_checkpoints,
     untie_embeddings,
     write_checkpoint,
 )
@@ -170,3 +171,35 @@ def test_bridge_stops_with_a_clear_error_before_touching_a_tied_cpu_model(
     # Refused before the first push: no weights written, no version announced.
     assert not list((tmp_path / "weights").glob("policy-*"))
     assert admin.get(f"{gateway.url}/admin/policy").json()["version"] == version
+
+
+def _checkpoints(root, indexes, resumable=()):
+    for i in indexes:
+        (root / f"policy-{i:06d}").mkdir(parents=True)
+        if i in resumable:
+            (root / f"policy-{i:06d}" / "state").write_text("")
+
+
+def test_pruning_keeps_the_newest_the_last_resumable_and_the_model_it_started_from(tmp_path):
+    model = _model_dir(tmp_path)
+    (model / "model.safetensors").unlink()
+    save_file(_tensors(), str(model / "model.safetensors"))
+    root = tmp_path / "ckpt"
+    _checkpoints(root, range(1, 8), resumable={2, 4})
+    sync = DiskWeightSync(model, root, ["http://127.0.0.1:9"], keep=2,
+                          resumable=lambda p: (p / "state").exists(),
+                          protected=[root / "policy-000001"])
+    sync._prune()
+    assert sorted(p.name for p in root.iterdir()) == [
+        "policy-000001", "policy-000004", "policy-000006", "policy-000007"]
+    # Started from a checkpoint in the directory (--model): that one stays too.
+    DiskWeightSync(root / "policy-000006", root, ["http://127.0.0.1:9"], keep=1)._prune()
+    assert sorted(p.name for p in root.iterdir()) == ["policy-000006", "policy-000007"]
+
+
+def test_partial_checkpoints_a_crash_left_are_removed(tmp_path):
+    (tmp_path / ".policy-000003.partial").mkdir()
+    (tmp_path / ".policy-000003.partial" / "model.safetensors").write_bytes(b"half")
+    _checkpoints(tmp_path, [2])
+    assert [p.name for p in remove_partial_checkpoints(tmp_path)] == [".policy-000003.partial"]
+    assert [p.name for p in tmp_path.iterdir()] == ["policy-000002"]

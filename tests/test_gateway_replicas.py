@@ -206,3 +206,47 @@ def test_draining_and_removing_replicas_at_run_time(vllm_server, second_replica,
         assert refused.status_code == 403
     finally:
         gw.stop()
+
+
+def _paused_since(gw: GatewayProcess, url: str):
+    listing = gw.admin.get("/admin/upstreams").json()["upstreams"]
+    return next(u["paused_since"] for u in listing if u["url"] == url)
+
+
+def test_a_paused_replica_whose_lease_runs_out_is_resumed_and_an_unleased_pause_is_not(
+    second_replica, database_url, tmp_path
+):
+    url = second_replica["vllm"].url
+    gw = _gateway([url], database_url, tmp_path)
+    try:
+        lease = {"url": url, "seconds": 2}
+        assert gw.admin.post("/admin/upstreams/pause-lease", json=lease).status_code == 200
+        httpx.post(f"{url}/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
+        started = time.monotonic()
+        # Frozen until the gateway resumes it: the bridge that paused it stopped renewing.
+        _short_call(gw.new_rollout(), TINY_MODEL_NAME)
+        assert 1.5 < time.monotonic() - started < 10
+        assert not httpx.get(f"{url}/is_paused", timeout=30).json()["is_paused"]
+
+        # A pause nobody leased (an operator's) stays, and is reported with its start.
+        httpx.post(f"{url}/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
+        deadline = time.monotonic() + 10
+        while _paused_since(gw, url) is None:
+            assert time.monotonic() < deadline, "the gateway never saw the pause"
+            time.sleep(0.2)
+        time.sleep(2)  # four probes
+        assert httpx.get(f"{url}/is_paused", timeout=30).json()["is_paused"]
+        since = _paused_since(gw, url)
+        assert time.time() - 15 < since < time.time()
+        assert gw.admin.get("/healthz").json()["paused"] == {url: since}
+        [gauge] = [line.split()[-1] for line in gw.admin.get("/metrics").text.splitlines()
+                   if line.startswith(f'rolltap_replica_paused_since_seconds{{replica="{url}"}}')]
+        assert float(gauge) == pytest.approx(since)
+
+        for body, status in (({"url": url, "seconds": -1}, 400),
+                             ({"url": "http://127.0.0.1:9", "seconds": 5}, 404)):
+            r = gw.admin.post("/admin/upstreams/pause-lease", json=body)
+            assert r.status_code == status, r.text
+    finally:
+        httpx.post(f"{url}/resume", timeout=30)
+        gw.stop()

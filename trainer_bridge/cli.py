@@ -22,6 +22,10 @@ every merged sequence of that rollout. After every optimizer step the new weight
 replica and the new policy version to every gateway, so the tokens sampled next carry it.
 Several bridges may share one database: leases give every rollout to exactly one of them.
 
+After a crash, restart with the same flags and --resume: the bridge starts from the newest
+complete checkpoint in --checkpoint-dir (weights, optimizer, scheduler, step), and the rollouts
+that steps after it logged go back to the queue, so the log says exactly what the weights hold.
+
 Weight sync:
   disk  write a safetensors checkpoint into --checkpoint-dir (a path every replica can read),
         pause each replica, reload it in place, resume it. Any number of replicas; CPU or GPU.
@@ -107,6 +111,38 @@ def _interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+def _resume_point(config, database_url: str):
+    """The checkpoint to resume from (or None) and its delivery history; the rollouts that later
+    steps logged are back in the queue."""
+    from trainer_bridge import resume
+
+    if not config.resume:
+        return None, {}
+    checkpoint_dir = config.checkpoint_dir or config.output_dir / "weights"
+    checkpoint = resume.newest_resumable(checkpoint_dir)
+    if checkpoint is None:
+        print(f"rolltap bridge: --resume: {checkpoint_dir} holds no complete checkpoint; "
+              f"starting from {config.model}", flush=True)
+        return None, {}
+    history = resume.read_history(checkpoint)
+    reverted = resume.revert_to(database_url, history)
+    print(f"rolltap bridge: resuming from {checkpoint} (step {max(history.values(), default=0)}"
+          f", weights, optimizer and scheduler); {len(reverted)} rollouts that later steps "
+          "had logged are back in the queue", flush=True)
+    return checkpoint, history
+
+
+def _take_back_unsaved(checkpoint_dir, database_url: str) -> None:
+    """A stopped bridge puts back in the queue what it logged after its last complete
+    checkpoint, so the log says what the weights it leaves hold (as a resume would)."""
+    from trainer_bridge import resume
+
+    if (checkpoint := resume.newest_resumable(checkpoint_dir)) is not None:
+        if reverted := resume.revert_to(database_url, resume.read_history(checkpoint)):
+            print(f"rolltap bridge: {len(reverted)} rollouts logged after {checkpoint.name} "
+                  "are back in the queue", file=sys.stderr, flush=True)
+
+
 def _database_url(config) -> str:
     if config.database_url:
         return config.database_url
@@ -174,11 +210,13 @@ def _run(args: argparse.Namespace) -> int:
 
     from trainer_bridge.policy import SamplingMismatch, check_sampling
     from trainer_bridge.progress import Progress
+    from trainer_bridge.resume import StateWriter, resumable
     from trainer_bridge.source import RolloutSource
     from trainer_bridge.trainer import KernelUnavailable, make_trainer
     from trainer_bridge.weights import (
         DiskWeightSync,
         NcclWeightSync,
+        PauseLease,
         PolicyAnnouncer,
         VersionedTransfer,
         WeightSyncError,
@@ -200,6 +238,7 @@ def _run(args: argparse.Namespace) -> int:
               "its tokens get the new versions", file=sys.stderr, flush=True)
     output_dir = config.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
+    resume_from, history = _resume_point(config, database_url)
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     source = RolloutSource(
         config.source_config(database_url, version_offset=announcer.offset),
@@ -212,13 +251,16 @@ def _run(args: argparse.Namespace) -> int:
             config.checkpoint_dir or output_dir / "weights",
             config.vllm,
             keep=config.keep_checkpoints,
+            resumable=resumable,
+            protected=[resume_from] if resume_from else [],
         )
+    lease = PauseLease(config.gateway, config.admin_key, config.vllm, config.pause_lease_seconds)
     try:
         trainer = make_trainer(
             config,
             rollout_worker=source,
             # None: TRL builds its own NCCL transfer to the vLLM named in the config.
-            weight_transfer=VersionedTransfer(disk, announcer) if disk else None,
+            weight_transfer=VersionedTransfer(disk, announcer, lease) if disk else None,
             processing_class=tokenizer,
         )
     except KernelUnavailable as exc:
@@ -226,8 +268,10 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     if disk is None:
         trainer.weight_transfer = VersionedTransfer(
-            NcclWeightSync(trainer.weight_transfer, config.vllm[0]), announcer
+            NcclWeightSync(trainer.weight_transfer, config.vllm[0]), announcer, lease
         )
+    else:
+        disk.add_state = StateWriter(trainer, source.owner, history, config.state_every)
     progress = Progress(source, trainer.weight_transfer, output_dir / "progress.jsonl")
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(progress)
@@ -239,10 +283,12 @@ def _run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     code = 0
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except KeyboardInterrupt:
         print("\nrolltap bridge: interrupted", file=sys.stderr)
         code = 130
+        if disk is not None:
+            _take_back_unsaved(disk.checkpoint_dir, database_url)
     except WeightSyncError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -134,7 +134,8 @@ class BridgeConfig:
         "seconds between looks at the database when no notification arrives", _GROUPS,
         metavar="S", type=float))
     max_attempts: int = field(default=5, metadata=_opt(
-        "claims of a group (crashes, failures) before it is quarantined and reported", _GROUPS,
+        "failed claims of a group (it could not be built into samples) before it is "
+        "quarantined and reported; a bridge's crash does not count", _GROUPS,
         metavar="N", type=int))
     db_give_up: float = field(default=600.0, metadata=_opt(
         "seconds of nothing but database errors before the bridge gives up (shorter outages "
@@ -149,6 +150,18 @@ class BridgeConfig:
     keep_checkpoints: int = field(default=2, metadata=_opt(
         "disk sync: newest checkpoints kept; the last is the trained model", _WEIGHTS,
         metavar="N", type=int))
+    resume: bool = field(default=False, metadata=_opt(
+        "disk sync: start from the newest complete checkpoint in --checkpoint-dir (weights, "
+        "optimizer, scheduler, step) and put back in the queue what later steps logged; "
+        "without one, start from --model", _WEIGHTS, action=argparse.BooleanOptionalAction))
+    state_every: int = field(default=1, metadata=_opt(
+        "disk sync: save the optimizer and scheduler with every Nth checkpoint, which makes it "
+        "one to resume from; a crash re-trains at most N steps (raise it on GPUs, where the "
+        "optimizer state is twice the model)", _WEIGHTS, metavar="N", type=int))
+    pause_lease_seconds: float = field(default=5.0, metadata=_opt(
+        "a weight sync's pause is leased from the gateways for this long and renewed; a "
+        "bridge that dies mid-push has its replicas resumed by the gateways once it runs out",
+        _WEIGHTS, metavar="S", type=float))
 
     def __post_init__(self) -> None:
         if self.importance_sampling not in ("none", "tis"):
@@ -157,6 +170,10 @@ class BridgeConfig:
             raise ValueError("tis_cap must be positive")
         if self.temperature <= 0:
             raise ValueError("temperature must be positive (the trainer divides logits by it)")
+        if self.state_every < 1 or self.pause_lease_seconds <= 0:
+            raise ValueError("state_every must be at least 1 and pause_lease_seconds positive")
+        if self.resume and self.weight_sync != "disk":
+            raise ValueError("resume reads the disk sync's checkpoints: use --weight-sync disk")
 
     def to_dict(self, *, redact: bool = True) -> dict[str, Any]:
         """Every knob as JSON-ready values; secrets shown only as set or not."""

@@ -5,8 +5,10 @@ trace an optimizer step took.
 A rollout is deliverable once its traces are stored (`merged_at`), until it is consumed
 (`consumed_at`) or quarantined (`quarantined_at`). A bridge claims a whole group at a time: it
 locks the group's deliverable rows (`FOR UPDATE SKIP LOCKED`, so bridges never wait on each
-other), leases them to itself until `lease_until` and counts the attempt. A bridge that dies
-holding a lease loses it when the lease runs out; another one then claims the group.
+other) and leases them to itself until `lease_until`. A bridge that dies holding a lease loses it
+when the lease runs out; another one then claims the group. `delivery_attempts` counts the
+group's own faults (it could not be built into samples), not its claims: a lease lost because its
+bridge died says nothing about the group, so crashes alone never quarantine it.
 
 Releasing a group fixes its members' advantages (`released_at`, `advantage`) before any of its
 samples reach a trainer; a later claim of the same rollouts (after a crash) trains the same
@@ -103,13 +105,13 @@ async def pending_groups(conn: asyncpg.Connection, match: dict) -> list[asyncpg.
 async def claim_group(
     conn: asyncpg.Connection, owner: str, group_key: str, match: dict, lease_s: float
 ) -> list[asyncpg.Record] | None:
-    """Lease every deliverable rollout of a group to `owner`, or none of them, and count the
-    attempt on each.
+    """Lease every deliverable rollout of a group to `owner`, or none of them.
 
     Returns the claimed rows (id, group_id, task_id, status, reward, finished_at, merge_stats,
-    released_at, advantage, delivery_attempts), or None when another bridge is on the group: one
-    of its rows is locked by a concurrent transaction or under someone's live lease. A group is
-    never split between bridges, since its advantages need all its rewards.
+    released_at, advantage, delivery_attempts: the group's faults so far), or None when another
+    bridge is on the group: one of its rows is locked by a concurrent transaction or under
+    someone's live lease. A group is never split between bridges, since its advantages need all
+    its rewards.
     """
     async with conn.transaction():
         rows = await conn.fetch(
@@ -128,8 +130,7 @@ async def claim_group(
             return None
         return await conn.fetch(
             "UPDATE rollouts SET lease_owner = $1,"
-            " lease_until = now() + make_interval(secs => $2::float8),"
-            " delivery_attempts = delivery_attempts + 1 WHERE id = ANY($3)"
+            " lease_until = now() + make_interval(secs => $2::float8) WHERE id = ANY($3)"
             " RETURNING id, group_id, task_id, status, reward, finished_at, merge_stats,"
             " released_at, advantage, delivery_attempts",
             owner,
@@ -318,15 +319,45 @@ async def renew(
     return {r["id"] for r in rows}
 
 
-async def release(conn: asyncpg.Connection, owner: str, rollout_ids: list[UUID]) -> None:
+async def release(
+    conn: asyncpg.Connection, owner: str, rollout_ids: list[UUID], *, fault: bool = False
+) -> None:
     """Give back a claim that will not be delivered (now), so another bridge need not wait it
-    out. Its attempt stays counted."""
+    out; with `fault` the group itself failed, which counts towards its quarantine."""
     await conn.execute(
-        "UPDATE rollouts SET lease_owner = NULL, lease_until = NULL"
+        "UPDATE rollouts SET lease_owner = NULL, lease_until = NULL,"
+        " delivery_attempts = delivery_attempts + $3::int"
         " WHERE id = ANY($2) AND lease_owner = $1 AND consumed_at IS NULL",
         owner,
         rollout_ids,
+        int(fault),
     )
+
+
+async def revert_steps_after(
+    conn: asyncpg.Connection, trained_through: dict[str, int]
+) -> list[UUID]:
+    """Take back what the delivery log says the steps after a checkpoint trained:
+    `trained_through` maps each bridge of the checkpoint's history to its last step in it. Their
+    later log rows are deleted and their rollouts go back to the queue (with the advantages they
+    were released with), in one transaction; returns those rollouts. Idempotent.
+
+    The lease owner stays on them, so the next claim takes them without waiting and without
+    counting a fault against the group.
+    """
+    async with conn.transaction():
+        rows = await conn.fetch(
+            "DELETE FROM deliveries d USING unnest($1::text[], $2::int[]) AS h(owner, step)"
+            " WHERE d.owner = h.owner AND d.step > h.step RETURNING d.rollout_id",
+            list(trained_through),
+            list(trained_through.values()),
+        )
+        ids = list({r["rollout_id"] for r in rows})
+        await conn.execute(
+            "UPDATE rollouts SET consumed_at = NULL, lease_until = NULL WHERE id = ANY($1)",
+            ids,
+        )
+    return ids
 
 
 async def quarantine(conn: asyncpg.Connection, owner: str, rollout_ids: list[UUID]) -> None:

@@ -3,8 +3,10 @@
 `ROLLTAP_CRASH_AT=POINT:N` makes the process SIGKILL itself the Nth time it reaches POINT (no
 `finally`, no atexit: a real crash). Unset, a crash point costs one dictionary lookup. The points
 are the seams of exactly-once delivery: `after_claim` (a group is leased, nothing released),
-`after_put` (samples are on the trainer's queue), `during_step` (a micro-batch is being trained)
-and `after_step` (the optimizer stepped, the delivery is not acknowledged yet).
+`after_put` (samples are on the trainer's queue), `during_step` (a micro-batch is being trained),
+`after_step` (the optimizer stepped, the delivery is not acknowledged yet), `after_log` (the step
+is in the delivery log, its checkpoint not written yet) and `after_announce` (a push is announced,
+the engines are still paused).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import signal
 from collections import Counter
 
-POINTS = ("after_claim", "after_put", "during_step", "after_step")
+POINTS = ("after_claim", "after_put", "during_step", "after_step", "after_log", "after_announce")
 _hits: Counter = Counter()
 
 

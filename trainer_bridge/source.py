@@ -87,7 +87,7 @@ class SourceConfig:
     poll_interval_s: float = 2.0
     match: dict = field(default_factory=dict)  # only rollouts whose metadata contains this
     version_offset: int = 0  # gateway version = trainer version + offset
-    max_attempts: int = 5  # claims of a group before it is quarantined
+    max_attempts: int = 5  # failed claims of a group (its own faults) before it is quarantined
     db_give_up_s: float = 600.0  # database unreachable this long: the source fails
     report_every_s: float = 30.0  # what it waits for, or why it trains nothing, this often
 
@@ -675,10 +675,10 @@ class RolloutSource:
             claimed_at = time.monotonic()
             crash_point("after_claim")
             ids = [m["id"] for m in members]
-            attempts = max(m["delivery_attempts"] for m in members)
-            if attempts > config.max_attempts:
+            faults = max(m["delivery_attempts"] for m in members)
+            if faults >= config.max_attempts:
                 await deliveries.quarantine(conn, self.owner, ids)
-                self._report_quarantine(group_key, ids, attempts)
+                self._report_quarantine(group_key, ids, faults)
                 return
             if decision is Release.PARTIAL and len(members) >= config.num_generations:
                 decision = Release.COMPLETE  # the rest arrived since we looked
@@ -702,12 +702,12 @@ class RolloutSource:
                 raise  # the lease runs out, and the group is claimed again
             except Exception:
                 # Bad data (or a bug) in this group: give it back and go on with the others. It
-                # counts as an attempt, so a group that always fails ends in quarantine.
-                log.exception("group %s failed (attempt %d of %d)", group_key, attempts,
+                # counts as a fault, so a group that always fails ends in quarantine.
+                log.exception("group %s failed (attempt %d of %d)", group_key, faults + 1,
                               config.max_attempts)
                 self.stats["failed_claims"] += 1
                 self.metrics_queue.put({"rollout/failed_claims_total": 1.0})
-                await deliveries.release(conn, self.owner, ids)
+                await deliveries.release(conn, self.owner, ids, fault=True)
                 return
         now = time.time()
         with self._lock:
@@ -730,12 +730,12 @@ class RolloutSource:
         trained, excluded = group_account(members, advantages, dropped, [*offered, *aside])
         self.narrator.group_released(group_key, len(members), trained, excluded)
 
-    def _report_quarantine(self, group_key: str, ids: list[UUID], attempts: int) -> None:
+    def _report_quarantine(self, group_key: str, ids: list[UUID], faults: int) -> None:
         log.error(
-            "group %s quarantined after %d delivery attempts; its rollouts (%s) are left out of "
-            "training. Inspect them (rollouts.quarantined_at), then clear quarantined_at and "
-            "delivery_attempts to deliver them again.",
-            group_key, attempts - 1, ", ".join(map(str, ids)),
+            "group %s quarantined after %d failed delivery attempts; its rollouts (%s) are left "
+            "out of training. Inspect them (rollouts.quarantined_at), then clear quarantined_at "
+            "and delivery_attempts to deliver them again.",
+            group_key, faults, ", ".join(map(str, ids)),
         )
         self.stats["quarantined_groups"] += 1
         self.stats["quarantined_rollouts"] += len(ids)

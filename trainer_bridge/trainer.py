@@ -146,6 +146,7 @@ class _Acknowledge(TrainerCallback):
         numbers, self.trainer.step_deliveries = self.trainer.step_deliveries, []
         # `global_step` counts the step once it is over, which this one is but for the count.
         self.trainer.rollout_worker.acknowledge(state.global_step + 1, numbers)
+        crash_point("after_log")
 
 
 class RolltapGRPOTrainer(AsyncGRPOTrainer):
@@ -275,9 +276,11 @@ def trainer_fields(config: BridgeConfig, device: str) -> dict[str, Any]:
         "num_generations": config.num_generations,
         **({"vllm_server_base_url": config.vllm[0]} if config.vllm else {}),
         **device_defaults(device),
-        # Checkpoints of the policy are the weight sync's (disk); TRL's would only add
-        # optimizer state nobody resumes from.
+        # Checkpoints are the disk sync's, which add the trainer's state (trainer_bridge.resume).
         "save_strategy": "no",
+        # A resume must not fast-forward the rollout stream: that would train nothing on the
+        # rollouts it skips, while their leases are held.
+        "ignore_data_skip": True,
         "report_to": "none",
         "disable_tqdm": True,
         **config.overrides,

@@ -12,7 +12,9 @@ the first time before training starts):
   `NcclWeightSync` wraps it so a failed send does not leave that vLLM paused, its prefix cache
   is dropped like the disk path's, and its side of the transfer is shut down at the end.
 - `VersionedTransfer` wraps either and tells every gateway the new version while the engines are
-  still paused, so no token sampled by the new weights is stamped with the old version.
+  still paused, so no token sampled by the new weights is stamped with the old version. With a
+  `PauseLease` it leases the pause from every gateway for the length of the push, so an engine
+  whose bridge dies mid-push is resumed by the gateways within the lease.
 
 Versions: TRL counts pushes from 1; the gateways get `offset` + that count, where `offset` is the
 highest version any gateway had when the run began, so versions only ever grow across runs.
@@ -26,7 +28,8 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,6 +41,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from gateway.store import rollouts as rollouts_store
+from trainer_bridge.faults import crash_point
 
 log = logging.getLogger(__name__)
 
@@ -121,35 +125,104 @@ def unsynced_upstreams(
             if url.rstrip("/") not in synced]
 
 
-class VersionedTransfer:
-    """A weight transfer that announces each pushed version before the engines resume."""
+class PauseLease:
+    """A bridge's lease, on every gateway, of the pause of its replicas: taken before a push
+    pauses them, renewed every third of `seconds` while it lasts, ended after they resume. A
+    bridge that dies stops renewing, and the gateways resume its replicas when it runs out.
+    A gateway that cannot be reached is logged, not fatal: the push goes on unleased."""
 
-    def __init__(self, inner, announcer: PolicyAnnouncer) -> None:
+    def __init__(self, gateways: Iterable[str], admin_key: str, replicas: Iterable[str],
+                 seconds: float) -> None:
+        self.gateways = [g.rstrip("/") for g in gateways]
+        self.replicas = [r.rstrip("/") for r in replicas]
+        self.seconds = seconds
+        self._http = httpx.Client(timeout=max(seconds / 3, 1.0),
+                                  headers={"Authorization": f"Bearer {admin_key}"})
+        self._stopped = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def _post(self, seconds: float) -> None:
+        for gateway in self.gateways:
+            for url in self.replicas:
+                body = {"url": url, "seconds": seconds}
+                if error := _attempt(lambda g, body=body: self._http.post(
+                        f"{g}/admin/upstreams/pause-lease", json=body), gateway):
+                    log.warning("weight sync: pause lease of %s on %s: %s", url, gateway, error)
+
+    def _renew(self) -> None:
+        while not self._stopped.wait(self.seconds / 3):
+            self._post(self.seconds)
+
+    def take(self) -> None:
+        if self._renewer is not None:
+            return
+        self._post(self.seconds)
+        self._stopped.clear()
+        self._renewer = threading.Thread(target=self._renew, name="rolltap-pause-lease",
+                                         daemon=True)
+        self._renewer.start()
+
+    def give_back(self) -> None:
+        if self._renewer is None:
+            return
+        self._stopped.set()
+        self._renewer.join()
+        self._renewer = None
+        self._post(0)
+
+    def close(self) -> None:
+        self.give_back()
+        self._http.close()
+
+
+class VersionedTransfer:
+    """A weight transfer that announces each pushed version before the engines resume, holding
+    a `PauseLease` (if given) from the pause to the resume."""
+
+    def __init__(self, inner, announcer: PolicyAnnouncer, lease: PauseLease | None = None) -> None:
         self.inner = inner
         self.announcer = announcer
+        self.lease = lease
         self.pushes = 0  # TRL's model_version after the push in flight
 
     def init_weight_transfer(self) -> None:
         self.inner.init_weight_transfer()
 
     def pause(self) -> None:
+        if self.lease:
+            self.lease.take()
         self.inner.pause()
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.inner.send_weights(iterator)
+        try:
+            self.inner.send_weights(iterator)
+        except BaseException:
+            # The inner sync resumed the engines on its way out.
+            if self.lease:
+                self.lease.give_back()
+            raise
         # TRL bumps its version exactly once per send, right after `resume`.
         self.pushes += 1
 
     def resume(self) -> None:
         try:
             self.announcer.announce(self.pushes)
+            crash_point("after_announce")
         finally:
             # A gateway that cannot be told fails the run, but the engines must not stay
             # frozen for the harnesses still talking to them.
-            self.inner.resume()
+            try:
+                self.inner.resume()
+            finally:
+                if self.lease:
+                    self.lease.give_back()
 
     def destroy(self) -> None:
-        self.inner.destroy()
+        try:
+            self.inner.destroy()
+        finally:
+            if self.lease:
+                self.lease.close()
 
 
 def _in_database(dsn: str, query, *args):
@@ -186,11 +259,13 @@ def write_checkpoint(
     model_dir: Path,
     dest: Path,
     shard_bytes: int = 2 << 30,
+    extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a complete model directory at `dest`: the weights as safetensors, the model's other
-    files copied. It appears at once (written beside it, then renamed), so a reader never sees a
-    partial one. Tensors stream in and are written in shards of about `shard_bytes`, so at most
-    one shard is held in memory; a checkpoint of several shards gets an index file."""
+    files copied, then whatever `extra(directory)` adds (the trainer's state). It appears at once
+    (written beside it, then renamed), so a reader never sees a partial one. Tensors stream in
+    and are written in shards of about `shard_bytes`, so at most one shard is held in memory; a
+    checkpoint of several shards gets an index file."""
     partial = dest.with_name(f".{dest.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -223,8 +298,19 @@ def write_checkpoint(
     else:
         index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
         (partial / _INDEX_FILE).write_text(json.dumps(index, indent=2))
+    if extra is not None:
+        extra(partial)
     partial.rename(dest)
     return dest
+
+
+def remove_partial_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """Remove the checkpoints a crash left half written (`write_checkpoint`'s partial ones)."""
+    partials = list(Path(checkpoint_dir).glob(".policy-*.partial"))
+    for partial in partials:
+        log.warning("weight sync: removing %s, a checkpoint a crash left unfinished", partial)
+        shutil.rmtree(partial)
+    return partials
 
 
 def _ties_embeddings(model_dir: Path) -> bool:
@@ -288,9 +374,12 @@ def check_names(sent: set[str], original: set[str]) -> None:
 class DiskWeightSync:
     """Weight transfer through a checkpoint directory and vLLM's in-place reload (module doc).
 
-    Checkpoints go to `checkpoint_dir/policy-NNNNNN/`, numbered on from whatever is there; the
-    newest `keep` are kept (the last one is the trained model, ready to serve). The directory
-    must be readable by every replica under the same path.
+    Checkpoints go to `checkpoint_dir/policy-NNNNNN/`, numbered on from whatever is there;
+    `add_state(directory)`, when set, adds the trainer's state to each before it appears. The
+    newest `keep` are kept (the last one is the trained model, ready to serve), and so are the
+    newest one `resumable` says a bridge can resume from and the `protected` ones (the model
+    the bridge was started from). Partial checkpoints a crash left are removed at start. The
+    directory must be readable by every replica under the same path.
     """
 
     def __init__(
@@ -301,6 +390,8 @@ class DiskWeightSync:
         *,
         keep: int = 2,
         timeout: float = 1800,
+        resumable: Callable[[Path], bool] = lambda path: False,
+        protected: Iterable[str | os.PathLike] = (),
     ) -> None:
         if keep < 1:
             raise ValueError("keep at least one checkpoint: the replicas read the newest")
@@ -310,6 +401,9 @@ class DiskWeightSync:
         if not self.vllm_urls:
             raise ValueError("no vLLM replica to sync")
         self.keep = keep
+        self.resumable = resumable
+        self.protected = {Path(p).resolve() for p in [model_dir, *protected]}
+        self.add_state: Callable[[Path], None] | None = None
         self.latest: Path | None = None
         self._http = httpx.Client(timeout=timeout)
         self._pool = ThreadPoolExecutor(max_workers=len(self.vllm_urls))
@@ -317,6 +411,7 @@ class DiskWeightSync:
 
     def init_weight_transfer(self) -> None:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        remove_partial_checkpoints(self.checkpoint_dir)
         tied = _ties_embeddings(self.model_dir)
         for url in self.vllm_urls:
             response = self._http.get(f"{url}/server_info", params={"config_format": "json"})
@@ -353,7 +448,7 @@ class DiskWeightSync:
 
         existing = [i for p in self.checkpoint_dir.iterdir() if (i := checkpoint_index(p))]
         dest = self.checkpoint_dir / f"policy-{max(existing, default=0) + 1:06d}"
-        write_checkpoint(tracked(), self.model_dir, dest)
+        write_checkpoint(tracked(), self.model_dir, dest, extra=self.add_state)
         check_names(sent, self._original_names)
         try:
             self._all("pause", lambda url: self._http.post(f"{url}/pause", params={"mode": "keep"}))
@@ -393,12 +488,15 @@ class DiskWeightSync:
             raise RuntimeError(f"weight sync: {what} failed on " + "; ".join(errors))
 
     def _prune(self) -> None:
-        old = sorted(
+        checkpoints = sorted(
             (p for p in self.checkpoint_dir.iterdir() if checkpoint_index(p)),
             key=checkpoint_index,
-        )[: -self.keep]
-        for path in old:
-            shutil.rmtree(path, ignore_errors=True)
+        )
+        resumable = [p for p in checkpoints if self.resumable(p)]
+        kept = {*checkpoints[-self.keep:], *resumable[-1:]}
+        for path in checkpoints:
+            if path not in kept and path.resolve() not in self.protected:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _reset_prefix_cache(http: httpx.Client, url: str) -> httpx.Response:
