@@ -2,6 +2,7 @@
 
 One JSON object per line. The runner sends a `TrialRequest` per rollout on the worker's stdin;
 the worker answers each with a `TrialReply` carrying the same id, in whatever order trials end.
+A `Cancel` stops a trial in flight; its reply still comes.
 Both sides import only msgspec, so the file is shared as is.
 """
 
@@ -40,12 +41,18 @@ class TrialReply(msgspec.Struct, frozen=True, tag="reply"):
     error: str | None = None
 
 
+class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
+    """The rollout was interrupted: stop its trial (Harbor stops its environment)."""
+
+    id: int
+
+
 class Ready(msgspec.Struct, frozen=True, tag="ready"):
     harbor_version: str
     import_s: float
 
 
-Message = TrialRequest | TrialReply | Ready
+Message = TrialRequest | TrialReply | Cancel | Ready
 encoder = msgspec.json.Encoder()
 decoder = msgspec.json.Decoder(Message)
 

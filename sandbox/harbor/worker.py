@@ -21,6 +21,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 import asyncio  # noqa: E402
 
 from sandbox.harbor.protocol import (  # noqa: E402
+    Cancel,
     Ready,
     TrialReply,
     TrialRequest,
@@ -93,19 +94,25 @@ async def serve(out_fd: int) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 24)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    running: set[asyncio.Task] = set()
+    running: dict[int, asyncio.Task] = {}
 
     async def one(request: TrialRequest) -> None:
-        reply = await run_trial(request)
+        try:
+            reply = await run_trial(request)
+        except asyncio.CancelledError:
+            reply = TrialReply(id=request.id, rewards=None, reward_valid=False,
+                               error="cancelled")
+        finally:
+            running.pop(request.id, None)
         os.write(out_fd, encode(reply))
 
     while line := await reader.readline():
         message = decoder.decode(line)
         if isinstance(message, TrialRequest):
-            task = asyncio.ensure_future(one(message))
-            running.add(task)
-            task.add_done_callback(running.discard)
-    await asyncio.gather(*running)
+            running[message.id] = asyncio.ensure_future(one(message))
+        elif isinstance(message, Cancel) and message.id in running:
+            running[message.id].cancel()
+    await asyncio.gather(*running.values(), return_exceptions=True)
 
 
 def main() -> None:
