@@ -5,8 +5,8 @@ Integration: `rolltap rollouts DIR --harness harbor:AGENT` as a user runs it (a 
 against the real gateway, with Harbor 0.25.0 in its own venv (made by `make install`) running
 each rollout as one trial in rolltap's persistent bubblewrap environment. The fixture tasks are
 examples/harbor/ (hello-world, a multi-key reward.json, a service that must persist between
-execs, an environment that never becomes healthy) and tests/harbor/probe (what the agent phase
-can reach, and whether the verifier saw the key).
+execs, an environment that never becomes healthy) and tests/harbor (what the agent phase can
+reach, whether the verifier saw the key, a memory cap).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tests.support.gateway import ADMIN_KEY
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "harbor"
-PROBE = REPO / "tests" / "harbor" / "probe"
+FIXTURES = REPO / "tests" / "harbor"
 
 needs_harbor = pytest.mark.skipif(
     not os.access(harbor_python(), os.X_OK),
@@ -155,8 +155,9 @@ def test_nop_scores_zero(gateway, tmp_path):
 def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, tmp_path):
     """The trial's agent phase calls the model through the gateway with the rollout's key
     (recorded with the engine's ids); it cannot use the admin API or reach Postgres, holds no
-    other secret, and the verifier's environment has no key."""
-    _, states, _ = rollouts(gateway, tmp_path, PROBE, "oracle")
+    other secret, and the verifier's environment has no key. The task's memory_mb holds."""
+    _, states, _ = rollouts(gateway, tmp_path, FIXTURES, "oracle")
+    assert states["memory-capped"]["reward"] == 0.0
     probe = states["probe"]
     found = probe["metrics"]["harbor_rewards"]
     assert found["admin_status"] in (401.0, 403.0), found

@@ -15,6 +15,10 @@ What the sandbox is, as the README's Isolation section promises for rolltap's ow
 - a network namespace with only loopback; the gateway, and nothing else, is reachable through a
   Unix socket bound in and forwarded by socat on 127.0.0.1 (relay.py), when `gateway_url` is
   given (environment kwarg; the runner gives it);
+- limits: one cgroup per trial (memory without swap, CPUs, processes) from the task's
+  `cpus` and `memory_mb` (rolltap's defaults otherwise), which the sandbox and every exec
+  join before their first instruction (cgroup.py), and the tmpfs root's size (`storage_mb`,
+  else the `disk_mb` kwarg);
 - no environment of the worker's: each exec starts from an empty environment plus what Harbor
   passes (the rollout key only in agent-phase execs, as Harbor scopes AgentConfig.env).
 
@@ -40,9 +44,15 @@ from pathlib import Path, PurePosixPath
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities
 
+from sandbox.cgroup import Cgroup
 from sandbox.confine import GATEWAY_SOCKET, host_system, new_uid, own_uids, tools
+from sandbox.limits import make_preexec
 from sandbox.relay import Relay, inside_port
 
+# rolltap's sandbox defaults, where the task's [environment] gives no cpus / memory_mb.
+DEFAULT_CPUS = 1.0
+DEFAULT_MEMORY_MB = 4096
+MAX_PROCS = 4096
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STARTUP_S = 30.0
 # Waits for socat's listening socket in the sandbox's own /proc/net/tcp.
@@ -88,6 +98,7 @@ class BwrapEnvironment(BaseEnvironment):
         self._process: asyncio.subprocess.Process | None = None
         self._pid: int | None = None
         self._relay: Relay | None = None
+        self._cgroup: Cgroup | None = None
         super().__init__(*args, **kwargs)
 
     @staticmethod
@@ -113,15 +124,20 @@ class BwrapEnvironment(BaseEnvironment):
             self._relay = await Relay.start(self._gateway_url)
             socket = self._relay.path
             os.chmod(os.path.dirname(socket), 0o711)  # the sandbox's uid binds it
+        config = self.task_env_config
+        self._cgroup = Cgroup.create({
+            "memory": config.memory_mb or DEFAULT_MEMORY_MB,
+            "cpu": config.cpus or DEFAULT_CPUS, "pids": MAX_PROCS})
         read_fd, write_fd = os.pipe()
-        argv = sandbox_argv(bwrap, self._disk_mb, socket, write_fd)
+        argv = sandbox_argv(bwrap, config.storage_mb or self._disk_mb, socket, write_fd)
         if own_uids():
             uid = str(new_uid())
             argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
         try:
             self._process = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, pass_fds=(write_fd,), start_new_session=True)
+                stderr=asyncio.subprocess.PIPE, pass_fds=(write_fd,), start_new_session=True,
+                preexec_fn=self._join_cgroup())
         finally:
             os.close(write_fd)
         info = await asyncio.wait_for(
@@ -140,6 +156,9 @@ class BwrapEnvironment(BaseEnvironment):
                                               hex=f"{port:04X}"))
         await self._upload_environment_dir_after_start()
 
+    def _join_cgroup(self):
+        return make_preexec([], self._cgroup.procs_files if self._cgroup else [])
+
     async def _must(self, command: str) -> None:
         result = await self.exec(command, cwd="/", env={}, timeout_sec=60)
         if result.return_code != 0:
@@ -152,6 +171,10 @@ class BwrapEnvironment(BaseEnvironment):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._process.pid, signal.SIGKILL)
             await self._process.wait()
+        if self._cgroup is not None:  # whatever an exec left behind outside the sandbox's init
+            await self._cgroup.kill_all()
+            await self._cgroup.remove()
+            self._cgroup = None
         if self._relay is not None:
             await self._relay.close()
             self._relay = None
@@ -165,7 +188,8 @@ class BwrapEnvironment(BaseEnvironment):
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else
             asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True, env={"PATH": PATH})
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, env={"PATH": PATH},
+            preexec_fn=self._join_cgroup())
         try:
             out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_sec)
         except (TimeoutError, asyncio.CancelledError):
