@@ -119,7 +119,7 @@ class HarborBackend:
         if not os.access(self.python, os.X_OK):
             raise ValueError(HARBOR_MISSING.format(python=self.python))
 
-    async def _start(self) -> asyncio.subprocess.Process:
+    async def start(self) -> asyncio.subprocess.Process:
         async with self._starting:
             if self._worker is not None:
                 return self._worker
@@ -167,7 +167,7 @@ class HarborBackend:
         return agent_env(public + "/v1", public, access.api_key)
 
     async def run(self, request: SandboxRequest) -> SandboxResult:
-        worker = await self._start()
+        worker = await self.start()
         trial = TrialRequest(
             id=next(self._ids), task_dir=request.task.source_paths[0],
             trial_name=f"{request.task.id}__{request.access.rollout_id[:12]}",

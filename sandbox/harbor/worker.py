@@ -78,6 +78,8 @@ async def run_trial(request: TrialRequest) -> TrialReply:
     phases = {name: s for name in ("environment_setup", "agent_setup", "agent_execution",
                                    "verifier")
               if (s := _seconds(getattr(result, name))) is not None}
+    if (whole := _seconds(result)) is not None:
+        phases["trial"] = whole
     rewards = result.verifier_result.rewards if result.verifier_result else None
     return TrialReply(
         id=request.id,
