@@ -168,3 +168,47 @@ def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, tmp_path):
     assert [c["status"] for c in calls] == ["ok"]
     assert calls[0]["prompt_ids"] and calls[0]["completion_ids"]
     assert len(calls[0]["logprobs"]) == len(calls[0]["completion_ids"])
+
+
+@needs_harbor
+async def test_ctrl_c_stops_the_trial_and_its_sandbox(tmp_path):
+    """SIGINT while a trial's agent runs: the CLI exits 130, the rollout is finished as
+    interrupted (against a STAND-IN admin API, tests/test_sandbox_runner.py), and the trial's
+    sandbox is gone with every process in it."""
+    import asyncio
+    import shutil
+    import signal
+
+    from tests.test_sandbox_runner import ADMIN_KEY as STAND_IN_KEY
+    from tests.test_sandbox_runner import StandInAdminAPI
+
+    task = tmp_path / "tasks" / "slow"
+    shutil.copytree(EXAMPLES / "hello-world", task)
+    marker = f"{4000 + os.getpid() % 1000}.5"  # a sleep only this test's agent runs
+    (task / "solution" / "solve.sh").write_text(f"#!/bin/bash\nsleep {marker}\n")
+    api = StandInAdminAPI()
+    await api.start()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sandbox.cli", str(task.parent), "--harness", "harbor:oracle",
+            "--group-size", "1", "--gateway", api.url, "--trials-dir", str(tmp_path / "t"),
+            cwd=REPO, env={**os.environ, "ROLLTAP_ADMIN_KEY": STAND_IN_KEY},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+
+        def sleeping() -> bool:
+            found = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True)
+            return found.returncode == 0
+
+        for _ in range(600):
+            if sleeping():
+                break
+            await asyncio.sleep(0.1)
+        assert sleeping(), "the trial's agent never started"
+        proc.send_signal(signal.SIGINT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 130, out.decode()
+        (rollout,) = api.rollouts.values()
+        assert rollout["status"] == "failed" and rollout["metrics"] == {"interrupted": True}
+        assert not sleeping(), "the sandbox outlived its trial"
+    finally:
+        await api.stop()
