@@ -95,7 +95,8 @@ class HarborBackend:
     def __init__(self, agent: str, *, model: str | None, gateway: str,
                  public_url: str | None = None, environment: str = "bwrap",
                  environment_kwargs: dict[str, Any] | None = None,
-                 agent_kwargs: dict[str, Any] | None = None, reward_key: str = "reward",
+                 agent_kwargs: dict[str, Any] | None = None,
+                 extra_env: dict[str, str] | None = None, reward_key: str = "reward",
                  trials_dir: str | None = None) -> None:
         self.agent, self.model, self.gateway = agent, model, gateway
         self.public_url = public_url or gateway
@@ -104,6 +105,7 @@ class HarborBackend:
         if environment == "bwrap":
             self.environment_kwargs.setdefault("gateway_url", gateway)
         self.agent_kwargs = dict(agent_kwargs or {})
+        self.extra_env = dict(extra_env or {})
         self.reward_key = reward_key
         self.trials_dir = trials_dir or tempfile.mkdtemp(prefix="rolltap-harbor-trials-")
         self.python = harbor_python()
@@ -161,10 +163,12 @@ class HarborBackend:
     def _env(self, request: SandboxRequest) -> dict[str, str]:
         access = request.access
         if self.environment == "bwrap":
-            return agent_env(inside_url(access.openai_base_url),
-                             inside_url(access.anthropic_base_url), access.api_key)
-        public = self.public_url.rstrip("/")
-        return agent_env(public + "/v1", public, access.api_key)
+            own = agent_env(inside_url(access.openai_base_url),
+                            inside_url(access.anthropic_base_url), access.api_key)
+        else:
+            public = self.public_url.rstrip("/")
+            own = agent_env(public + "/v1", public, access.api_key)
+        return {**self.extra_env, **own}
 
     async def run(self, request: SandboxRequest) -> SandboxResult:
         worker = await self.start()

@@ -23,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "parses, else a string)")
     g.add_argument("--agent-kwarg", action="append", default=[], metavar="K=V",
                    help="keyword argument for the Harbor agent (repeatable; as above)")
+    g.add_argument("--agent-env", action="append", default=[], metavar="K=V",
+                   help="environment variable for the agent's commands only (repeatable), "
+                        "e.g. CLAUDE_CODE_MAX_OUTPUT_TOKENS=1024; the rollout's key and base "
+                        "URLs cannot be overridden")
     g.add_argument("--reward-key", default="reward", metavar="KEY",
                    help="which key of the verifier's reward.json is the reward (default "
                         "reward); the other keys go to the rollout's metrics")
@@ -66,6 +70,7 @@ def make_backend(args: argparse.Namespace, agent: str):
         public_url=args.public_url, environment=args.environment,
         environment_kwargs=parse_kwargs(args.environment_kwarg, "--environment-kwarg"),
         agent_kwargs=parse_kwargs(args.agent_kwarg, "--agent-kwarg"),
+        extra_env={k: str(v) for k, v in parse_kwargs(args.agent_env, "--agent-env").items()},
         reward_key=args.reward_key, trials_dir=args.trials_dir)
     backend.check()
     return backend

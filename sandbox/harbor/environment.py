@@ -45,7 +45,7 @@ from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities
 
 from sandbox.cgroup import Cgroup
-from sandbox.confine import GATEWAY_SOCKET, host_system, new_uid, own_uids, tools
+from sandbox.confine import GATEWAY_SOCKET, host_system, new_uid, own_uids, ro_binds, tools
 from sandbox.limits import make_preexec
 from sandbox.relay import Relay, inside_port
 
@@ -64,16 +64,18 @@ FORWARDER = (
 )
 
 
-def exec_argv(pid: int, command: str, cwd: str, env: dict[str, str]) -> list[str]:
+def exec_argv(pid: int, command: str, cwd: str, env: dict[str, str],
+              path: str = PATH) -> list[str]:
     """The host command line that runs `command` (bash) inside the sandbox whose init is
     `pid`, in `cwd`, with exactly `env` (plus PATH and HOME unless given). Pure."""
-    full = {"PATH": PATH, "HOME": "/root", **env}
+    full = {"PATH": path, "HOME": "/root", **env}
     return ["nsenter", f"--target={pid}", "--all", "--root", "--",
             "env", "-i", *(f"{k}={v}" for k, v in full.items()),
             "bash", "-c", 'cd -- "$0" && eval "$1"', cwd, command]
 
 
-def sandbox_argv(bwrap: str, disk_mb: int, socket: str | None, info_fd: int) -> list[str]:
+def sandbox_argv(bwrap: str, disk_mb: int, socket: str | None, info_fd: int,
+                 read_only: tuple[str, ...] = ()) -> list[str]:
     """The long-lived sandbox: bwrap's init as PID 1 and `sleep infinity` to keep it, after a
     line on stdout that says its filesystem is in place (bwrap reports the PID on `info_fd`
     before it has built the root). Pure."""
@@ -82,6 +84,8 @@ def sandbox_argv(bwrap: str, disk_mb: int, socket: str | None, info_fd: int) -> 
             "--size", str(disk_mb << 20), "--tmpfs", "/", *host_system(),
             "--proc", "/proc", "--dev", "/dev", "--dir", "/tmp", "--dir", "/root",
             "--info-fd", str(info_fd)]
+    for bind in ro_binds(read_only):
+        args += ["--ro-bind", bind.source, bind.dest]
     if socket is not None:
         args += ["--ro-bind", socket, GATEWAY_SOCKET]
     return [*args, "--", "sh", "-c", "echo ready && exec sleep infinity"]
@@ -89,11 +93,16 @@ def sandbox_argv(bwrap: str, disk_mb: int, socket: str | None, info_fd: int) -> 
 
 class BwrapEnvironment(BaseEnvironment):
     """One persistent bubblewrap sandbox per trial. Kwargs: gateway_url (the gateway the
-    sandbox may reach), disk_mb (its tmpfs root; default 1024)."""
+    sandbox may reach), disk_mb (its tmpfs root; default 1024), ro_paths (host paths bound
+    read-only at their own paths, e.g. the project's pinned harness CLIs, so that agents find
+    them instead of installing from the network) and path (directories put first on PATH)."""
 
     def __init__(self, *args, gateway_url: str | None = None, disk_mb: int | str = 1024,
+                 ro_paths: list[str] | str = (), path: list[str] | str = (),
                  **kwargs) -> None:
         self._gateway_url = gateway_url
+        self._read_only = tuple(_paths(ro_paths))
+        self._path = ":".join([*_paths(path), PATH])
         self._disk_mb = int(disk_mb)
         self._process: asyncio.subprocess.Process | None = None
         self._pid: int | None = None
@@ -129,7 +138,8 @@ class BwrapEnvironment(BaseEnvironment):
             "memory": config.memory_mb or DEFAULT_MEMORY_MB,
             "cpu": config.cpus or DEFAULT_CPUS, "pids": MAX_PROCS})
         read_fd, write_fd = os.pipe()
-        argv = sandbox_argv(bwrap, config.storage_mb or self._disk_mb, socket, write_fd)
+        argv = sandbox_argv(bwrap, config.storage_mb or self._disk_mb, socket, write_fd,
+                            self._read_only)
         if own_uids():
             uid = str(new_uid())
             argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
@@ -184,7 +194,7 @@ class BwrapEnvironment(BaseEnvironment):
                    ) -> tuple[int, bytes, bytes]:
         if self._pid is None:
             raise RuntimeError("the environment is not started")
-        argv = exec_argv(self._pid, command, cwd or self._workdir, env or {})
+        argv = exec_argv(self._pid, command, cwd or self._workdir, env or {}, self._path)
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else
             asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -247,6 +257,13 @@ class BwrapEnvironment(BaseEnvironment):
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
         Path(target_dir).mkdir(parents=True, exist_ok=True)
         _extract(await self._tar_out(source_dir, "."), str(target_dir))
+
+
+def _paths(value: list[str] | str) -> list[str]:
+    """A kwarg given as a list, or from the command line as one string of paths split by
+    ':'."""
+    parts = value.split(":") if isinstance(value, str) else list(value)
+    return [os.path.abspath(p) for p in parts if p]
 
 
 def _read_all(fd: int) -> bytes:
