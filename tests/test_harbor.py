@@ -224,22 +224,26 @@ CLAUDE_DISALLOWED = ("Agent,Task,Glob,Grep,Read,Edit,Write,MultiEdit,NotebookEdi
 
 
 @needs_harbor
-def test_claude_code_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path):
-    """Harbor's claude-code agent in the bwrap environment, using the project's pinned CLI
-    (bound read-only, so Harbor skips its network install), against the gateway and the tiny
-    model: its calls are recorded with the engine's ids and the trial gets Harbor's grade."""
+@pytest.mark.parametrize(("agent", "protocol", "extra"), [
+    ("claude-code", "anthropic", ("--agent-env", "CLAUDE_CODE_MAX_OUTPUT_TOKENS=32",
+                                  "--agent-kwarg", f"disallowed_tools={CLAUDE_DISALLOWED}")),
+    ("codex", "responses", ()),
+])
+def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, agent, protocol,
+                                               extra):
+    """A Harbor agent in the bwrap environment, using the project's pinned CLI (bound
+    read-only, so Harbor skips its network install), against the gateway and the tiny model:
+    its calls are recorded with the engine's ids and the trial gets Harbor's grade."""
     from tests.support.harnesses import NPM_PREFIX, require_harnesses
 
     bin_dir = require_harnesses()
     out, states, trials = rollouts(
-        gateway, tmp_path, EXAMPLES / "hello-world", "claude-code", "--model",
-        vllm_server.model, "--environment-kwarg", f"ro_paths={NPM_PREFIX}",
-        "--environment-kwarg", f"path={bin_dir}",
-        "--agent-env", "CLAUDE_CODE_MAX_OUTPUT_TOKENS=32",
-        "--agent-kwarg", f"disallowed_tools={CLAUDE_DISALLOWED}")
+        gateway, tmp_path, EXAMPLES / "hello-world", agent, "--model", vllm_server.model,
+        "--environment-kwarg", f"ro_paths={NPM_PREFIX}", "--environment-kwarg",
+        f"path={bin_dir}", *extra)
     state = states["hello-world"]
     assert state["status"] == "finished" and state["reward"] == 0.0, (state, out)
     calls = gateway.calls(state["rollout_id"])
     ok = [c for c in calls if c["status"] == "ok"]
-    assert ok and all(c["protocol"] == "anthropic" for c in calls), calls
+    assert ok and all(c["protocol"] == protocol for c in calls), calls
     assert all(c["prompt_ids"] and len(c["logprobs"]) == len(c["completion_ids"]) for c in ok)
