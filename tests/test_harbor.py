@@ -1,0 +1,249 @@
+"""Harbor tasks and agents through rolltap (issue 26).
+
+Pure parts: what a trial's result means for its rollout, and reading Harbor task directories.
+Integration: `rolltap rollouts DIR --harness harbor:AGENT` as a user runs it (a real process),
+against the real gateway, with Harbor 0.25.0 in its own venv (made by `make install`) running
+each rollout as one trial in rolltap's persistent bubblewrap environment. The fixture tasks are
+examples/harbor/ (hello-world, a multi-key reward.json, a service that must persist between
+execs, an environment that never becomes healthy) and tests/harbor (what the agent phase can
+reach, whether the verifier saw the key, a memory cap).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sandbox.harbor.backend import harbor_python, trial_outcome
+from sandbox.harbor.protocol import TrialReply
+from sandbox.harbor.tasks import load_harbor_tasks, task_dirs
+from sandbox.state import StateFile
+from sandbox.tasks import TaskFileError
+from tests.support.gateway import ADMIN_KEY
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples" / "harbor"
+FIXTURES = REPO / "tests" / "harbor"
+
+needs_harbor = pytest.mark.skipif(
+    not os.access(harbor_python(), os.X_OK),
+    reason=f"Harbor's venv is missing ({harbor_python()}): `make install` (and so `make test`) "
+           "makes it")
+
+keys = st.text(st.characters(categories=["Ll"]), min_size=1, max_size=8)
+rewards = st.dictionaries(keys, st.floats(-10, 10, allow_nan=False), max_size=5)
+
+
+# ---- pure -----------------------------------------------------------------------------------
+
+
+@given(rewards, keys, st.floats(0, 1))
+def test_reward_key_is_the_reward_and_other_keys_are_metrics(others, key, value):
+    reply = TrialReply(id=1, rewards={**others, key: value}, reward_valid=True)
+    out = trial_outcome(reply, key)
+    assert (out.status, out.reward) == ("ok", value)
+    rest = {k: v for k, v in others.items() if k != key}
+    assert out.metrics.get("harbor_rewards", {}) == rest
+
+
+@given(st.one_of(st.none(), rewards), st.sampled_from(["sandbox_failed", "verifier_failed",
+                                                        None]))
+def test_invalid_reward_is_unscorable_with_its_cause(found, cause):
+    reply = TrialReply(id=1, rewards=found, reward_valid=False, failure_cause=cause,
+                       exception="HealthcheckError: never healthy")
+    out = trial_outcome(reply)
+    assert (out.status, out.reward) == ("setup_failed", None)
+    assert "never healthy" in out.detail and out.detail.startswith("unscorable")
+    assert out.metrics["harbor_exception"] == "HealthcheckError: never healthy"
+
+
+def test_missing_reward_key_is_unscorable_and_says_which_keys_there_are():
+    out = trial_outcome(TrialReply(id=1, rewards={"score": 1.0}, reward_valid=True))
+    assert out.reward is None and "'reward'" in out.detail and "score" in out.detail
+    assert "--reward-key" in out.detail
+
+
+def test_worker_error_is_unscorable():
+    out = trial_outcome(TrialReply(id=1, rewards=None, reward_valid=False,
+                                   error="ValueError: unknown agent"))
+    assert (out.status, out.reward) == ("setup_failed", None)
+    assert out.metrics["harbor_error"] == "ValueError: unknown agent"
+
+
+def test_task_directories_are_found_by_task_toml(tmp_path):
+    assert [d.name for d in task_dirs(str(EXAMPLES))] == [
+        "hello-world", "multi-key", "persistent", "unhealthy"]
+    assert task_dirs(str(EXAMPLES / "hello-world")) == [EXAMPLES / "hello-world"]
+    (task,) = load_harbor_tasks(str(EXAMPLES / "hello-world"))
+    assert task.id == "hello-world" and "Hello, world!" in task.prompt
+    assert (task.timeouts.agent_s, task.timeouts.verifier_s) == (120.0, 60.0)
+    with pytest.raises(TaskFileError, match="no task.toml"):
+        task_dirs(str(tmp_path))
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "task.toml").write_text("[agent]\ntimeout_sec = -1\n")
+    (tmp_path / "t" / "instruction.md").write_text("x")
+    with pytest.raises(TaskFileError, match="timeout_sec must be a positive number"):
+        load_harbor_tasks(str(tmp_path))
+
+
+def test_a_directory_without_a_harbor_harness_says_what_to_do(capsys):
+    from sandbox.cli import run_cli
+
+    code = run_cli([str(EXAMPLES), "--harness", "python", "--agent", "a:b", "--group-size",
+                    "1", "--gateway", "http://127.0.0.1:9", "--admin-key", "k"])
+    assert code == 2 and "--harness harbor:AGENT" in capsys.readouterr().err
+
+
+# ---- through the gateway --------------------------------------------------------------------
+
+
+def rollouts(gateway, tmp_path: Path, tasks: Path, agent: str, *extra: str
+             ) -> tuple[str, dict[str, dict], Path]:
+    """Runs the CLI as a user would; returns its output, each task's rollout state at the
+    gateway (one rollout per task), and the trials directory."""
+    state, trials = tmp_path / f"{agent}.jsonl", tmp_path / f"trials-{agent}"
+    argv = [sys.executable, "-m", "sandbox.cli", str(tasks), "--harness", f"harbor:{agent}",
+            "--group-size", "1", "--concurrency", "4", "--gateway", gateway.url,
+            "--state", str(state), "--trials-dir", str(trials), *extra]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    records = StateFile(str(state)).load()[1].values()
+    states = {r.task_id: gateway.admin.get(f"/admin/rollouts/{r.rollout_id}").json()
+              for r in records}
+    assert len(states) == len(records), "one rollout per task"
+    return out, states, trials
+
+
+@needs_harbor
+def test_oracle_scores_and_infrastructure_failure_is_unscorable(gateway, tmp_path):
+    out, states, trials = rollouts(gateway, tmp_path, EXAMPLES, "oracle")
+    hello = states["hello-world"]
+    assert (hello["status"], hello["reward"]) == ("finished", 1.0)
+    assert hello["metrics"]["isolation"] == "bwrap"
+    # A multi-key reward.json: `reward` is the reward, the other keys are metrics.
+    multi = states["multi-key"]
+    assert (multi["status"], multi["reward"]) == ("finished", 1.0)
+    assert multi["metrics"]["harbor_rewards"] == {"lines": 3.0, "partial": 0.5}
+    # A background process of one exec is still there in the next: one persistent sandbox.
+    assert states["persistent"]["reward"] == 1.0
+    # Never healthy: unscorable (null, never 0), the cause in the metrics and the summary.
+    sick = states["unhealthy"]
+    assert (sick["status"], sick["reward"]) == ("failed", None)
+    assert sick["metrics"]["harbor_failure_cause"] == "sandbox_failed"
+    assert "HealthcheckError" in sick["metrics"]["harbor_exception"]
+    assert "unscorable: sandbox_failed: HealthcheckError" in out
+    # Harbor's retries are off: the failed trial ran once, as one rollout.
+    assert len(list(trials.glob("unhealthy__*"))) == 1
+
+
+@needs_harbor
+def test_nop_scores_zero(gateway, tmp_path):
+    _, states, _ = rollouts(gateway, tmp_path, EXAMPLES / "hello-world", "nop")
+    assert (states["hello-world"]["status"], states["hello-world"]["reward"]) == (
+        "finished", 0.0)
+
+
+@needs_harbor
+def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, tmp_path):
+    """The trial's agent phase calls the model through the gateway with the rollout's key
+    (recorded with the engine's ids); it cannot use the admin API or reach Postgres, holds no
+    other secret, and the verifier's environment has no key. The task's memory_mb holds."""
+    _, states, _ = rollouts(gateway, tmp_path, FIXTURES, "oracle")
+    assert states["memory-capped"]["reward"] == 0.0
+    probe = states["probe"]
+    found = probe["metrics"]["harbor_rewards"]
+    assert found["admin_status"] in (401.0, 403.0), found
+    assert {k: v for k, v in found.items() if k != "admin_status"} == {
+        "verifier_saw_key": 0.0, "chat_status": 200.0, "postgres_reached": 0.0}
+    assert probe["reward"] == 1.0
+    calls = gateway.calls(probe["rollout_id"])
+    assert [c["status"] for c in calls] == ["ok"]
+    assert calls[0]["prompt_ids"] and calls[0]["completion_ids"]
+    assert len(calls[0]["logprobs"]) == len(calls[0]["completion_ids"])
+
+
+@needs_harbor
+async def test_ctrl_c_stops_the_trial_and_its_sandbox(tmp_path):
+    """SIGINT while a trial's agent runs: the CLI exits 130, the rollout is finished as
+    interrupted (against a STAND-IN admin API, tests/test_sandbox_runner.py), and the trial's
+    sandbox is gone with every process in it."""
+    import asyncio
+    import shutil
+    import signal
+
+    from tests.test_sandbox_runner import ADMIN_KEY as STAND_IN_KEY
+    from tests.test_sandbox_runner import StandInAdminAPI
+
+    task = tmp_path / "tasks" / "slow"
+    shutil.copytree(EXAMPLES / "hello-world", task)
+    marker = f"{4000 + os.getpid() % 1000}.5"  # a sleep only this test's agent runs
+    (task / "solution" / "solve.sh").write_text(f"#!/bin/bash\nsleep {marker}\n")
+    api = StandInAdminAPI()
+    await api.start()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sandbox.cli", str(task.parent), "--harness", "harbor:oracle",
+            "--group-size", "1", "--gateway", api.url, "--trials-dir", str(tmp_path / "t"),
+            cwd=REPO, env={**os.environ, "ROLLTAP_ADMIN_KEY": STAND_IN_KEY},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+
+        def sleeping() -> bool:
+            found = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True)
+            return found.returncode == 0
+
+        for _ in range(600):
+            if sleeping():
+                break
+            await asyncio.sleep(0.1)
+        assert sleeping(), "the trial's agent never started"
+        proc.send_signal(signal.SIGINT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 130, out.decode()
+        (rollout,) = api.rollouts.values()
+        assert rollout["status"] == "failed" and rollout["metrics"] == {"interrupted": True}
+        assert not sleeping(), "the sandbox outlived its trial"
+    finally:
+        await api.stop()
+
+
+# Claude Code's default tools are over the tiny model's context (tests/test_harness_clis.py);
+# Bash alone keeps the prompt inside it.
+CLAUDE_DISALLOWED = ("Agent,Task,Glob,Grep,Read,Edit,Write,MultiEdit,NotebookEdit,NotebookRead,"
+                     "TodoWrite,WebFetch,WebSearch,BashOutput,KillShell,KillBash,ExitPlanMode,"
+                     "EnterPlanMode,Skill,SlashCommand,TaskOutput,TaskStop,AskUserQuestion,LSP,"
+                     "ToolSearch,ListMcpResourcesTool,ReadMcpResourceTool,Monitor,CronCreate,"
+                     "CronDelete,CronList,EnterWorktree,ExitWorktree")
+
+
+@needs_harbor
+@pytest.mark.parametrize(("agent", "protocol", "extra"), [
+    ("claude-code", "anthropic", ("--agent-env", "CLAUDE_CODE_MAX_OUTPUT_TOKENS=32",
+                                  "--agent-kwarg", f"disallowed_tools={CLAUDE_DISALLOWED}")),
+    ("codex", "responses", ()),
+])
+def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, agent, protocol,
+                                               extra):
+    """A Harbor agent in the bwrap environment, using the project's pinned CLI (bound
+    read-only, so Harbor skips its network install), against the gateway and the tiny model:
+    its calls are recorded with the engine's ids and the trial gets Harbor's grade."""
+    from tests.support.harnesses import NPM_PREFIX, require_harnesses
+
+    bin_dir = require_harnesses()
+    out, states, trials = rollouts(
+        gateway, tmp_path, EXAMPLES / "hello-world", agent, "--model", vllm_server.model,
+        "--environment-kwarg", f"ro_paths={NPM_PREFIX}", "--environment-kwarg",
+        f"path={bin_dir}", *extra)
+    state = states["hello-world"]
+    assert state["status"] == "finished" and state["reward"] == 0.0, (state, out)
+    calls = gateway.calls(state["rollout_id"])
+    ok = [c for c in calls if c["status"] == "ok"]
+    assert ok and all(c["protocol"] == protocol for c in calls), calls
+    assert all(c["prompt_ids"] and len(c["logprobs"]) == len(c["completion_ids"]) for c in ok)
