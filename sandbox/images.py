@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import glob
 import hashlib
 import os
 import shutil
@@ -414,23 +413,6 @@ class Cache:
             finally:
                 os.close(fd)
         return removed
-
-
-# Where an image's pythons import from, even with -I (Debian's, python.org's builds).
-SITE_PATTERNS = ("usr/lib/python3/dist-packages", "usr/lib/python3*/site-packages",
-                 "usr/local/lib/python3*/site-packages", "usr/local/lib/python3*/dist-packages")
-
-
-def python_site_dirs(rootfs: str) -> list[str]:
-    """The image's python import directories (paths inside the image) with no symbolic link
-    on the way, where rolltap's pytest plugin can be bound in."""
-    found = []
-    for pattern in SITE_PATTERNS:
-        for host_path in sorted(glob.glob(os.path.join(rootfs, pattern))):
-            inside = "/" + os.path.relpath(host_path, rootfs)
-            if os.path.realpath(host_path) == os.path.realpath(rootfs) + inside:
-                found.append(inside)
-    return found
 
 
 def _tree_bytes(path: str) -> int:

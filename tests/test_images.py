@@ -37,9 +37,7 @@ from tests.support.images import base_image_fixture  # noqa: F401 (the base_imag
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="image overlays need root")
 ACCESS = RolloutAccess("r-img", "rk-img", "http://127.0.0.1:9/v1", "http://127.0.0.1:9")
-# As the example tasks run their tests: isolated (-I), which the image's python is too.
-VERIFY = ("PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -I -m pytest -q -p no:cacheprovider "
-          "tests_hidden")
+VERIFY = "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -q -p no:cacheprovider tests_hidden"
 # Only on the host: the image has no bubblewrap.
 HOST_ONLY = "/usr/bin/bwrap"
 

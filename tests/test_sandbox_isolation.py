@@ -203,9 +203,11 @@ async def test_hostile_agent_and_solution_change_nothing(task_set, gateway, vllm
     """The same attacks, on the host's system and on a task image (sandbox/images.py)."""
     ts = task_set
     tasks = ts.tasks()
-    if on_image:  # the same tasks, verifier command included, on the base image
+    if on_image:
+        # The image's python runs the tests: without -I, so that it finds rolltap's plugin.
         image = request.getfixturevalue("base_image")
-        tasks = {k: msgspec.structs.replace(t, image=image) for k, t in tasks.items()}
+        tasks = {k: msgspec.structs.replace(t, image=image, verifier=msgspec.structs.replace(
+            t.verifier, command=VERIFY.replace(" -I", ""))) for k, t in tasks.items()}
     hostile_rollout = gateway.new_rollout(task_id="hostile")
     honest_rollout = gateway.new_rollout(task_id="honest")
     ts.secrets.append(honest_rollout["api_key"])
@@ -237,6 +239,7 @@ async def test_hostile_agent_and_solution_change_nothing(task_set, gateway, vllm
     # The honest sibling is untouched by its neighbour.
     assert (good.status, good.reward, good.isolation) == ("ok", 1.0, "bwrap"), good.agent.stderr
     if on_image:  # both ran on the image's root filesystem, held from the cache
+        # By digest: a tag built again leaves its older entry under the same name.
         used = {e.digest: e.last_used for e in images.Cache().entries()}
         assert used[images.inspect(tasks["hostile"].image).digest] >= started
     assert bad.status == "ok", bad.agent.stderr[-3000:]

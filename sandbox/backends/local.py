@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 from urllib.parse import urlsplit
 
-from sandbox import confine, hostexec, images, pytest_report
+from sandbox import confine, hostexec, images
 from sandbox.backends.base import (
     Isolation,
     SandboxRequest,
@@ -98,7 +98,6 @@ class _Sandbox:
         self.hidden = confine.hidden_kinds([*task.source_paths, *request.private_paths, parent])
         self.path = sandbox_path()
         self.rootfs: str | None = None  # the task image's root filesystem, once held
-        self.image_binds: list[Bind] = []  # what every phase on the image gets besides
         self.warnings: list[str] = []
         if self.confined and not own:
             self.warnings.append("not root: every phase ran as the runner's own uid (separate "
@@ -135,7 +134,7 @@ class _Sandbox:
         view = View(
             binds=(Bind(dirs.work, INSIDE_DIRS.work, True), Bind(dirs.home, INSIDE_DIRS.home, True),
                    Bind(dirs.tmp, INSIDE_DIRS.tmp, True), Bind(passwd, "/etc/passwd"),
-                   Bind(group, "/etc/group"), *self.image_binds, *binds),
+                   Bind(group, "/etc/group"), *binds),
             hidden=self.hidden,
             gateway_socket=gateway_socket,
             image=image,
@@ -161,18 +160,13 @@ class _Sandbox:
                 task.image, task.build, self.backend.image_cache))
         except images.ImageError as exc:
             return str(exc)
-        # rolltap's pytest plugin where the image's python finds it, `python -I` included.
-        package = os.path.dirname(os.path.abspath(pytest_report.__file__))
-        self.image_binds = [Bind(package, f"{site}/sandbox")
-                            for site in images.python_site_dirs(self.rootfs)]
         return None
 
     def env(self, dirs: SandboxDirs) -> dict[str, str]:
         if self.rootfs is None:
             return base_env(INSIDE_DIRS if self.confined else dirs, self.path)
-        # The image's PATH and python; rolltap's pytest plugin importable by that python
-        # where it is not in its site directories (a virtualenv in the image, say).
-        package = os.path.dirname(os.path.dirname(os.path.abspath(pytest_report.__file__)))
+        # The image's PATH and python; rolltap's pytest plugin importable by that python.
+        package = os.path.dirname(os.path.dirname(os.path.abspath(confine.__file__)))
         return base_env(INSIDE_DIRS, IMAGE_PATH) | {"PYTHONPATH": package}
 
     def host_argv(self, argv: list[str]) -> list[str]:
