@@ -239,8 +239,9 @@ async def test_hostile_agent_and_solution_change_nothing(task_set, gateway, vllm
     # The honest sibling is untouched by its neighbour.
     assert (good.status, good.reward, good.isolation) == ("ok", 1.0, "bwrap"), good.agent.stderr
     if on_image:  # both ran on the image's root filesystem, held from the cache
-        used = {e.ref: e.last_used for e in images.Cache().entries()}
-        assert used[tasks["hostile"].image] >= started
+        # By digest: a tag built again leaves its older entry under the same name.
+        used = {e.digest: e.last_used for e in images.Cache().entries()}
+        assert used[images.inspect(tasks["hostile"].image).digest] >= started
     assert bad.status == "ok", bad.agent.stderr[-3000:]
     report = json.loads(bad.agent.stdout.strip().splitlines()[-1])
 
