@@ -376,3 +376,18 @@ def test_sparse_files_copy_as_holes_and_the_copy_is_bounded(tmp_path):
     (src / "dense").write_bytes(os.urandom(2 << 20))
     with pytest.raises(CopyOverflow, match="1 MB"):
         copy_work(str(src), str(small), set(), budget=1 << 20)
+
+
+async def test_a_report_of_thousands_of_tests_is_read_whole(tmp_path):
+    """An end record far larger than a pipe's buffer (parametrized ids collected with the
+    solution stubbed)."""
+    many = {**HIDDEN, "tests_hidden/test_is_even.py": textwrap.dedent('''
+        import pytest
+        from is_even import is_even
+
+        @pytest.mark.parametrize("n", range(1500))
+        def test_parity_of_a_long_named_number_to_fill_the_report(n):
+            assert is_even(n) is (n % 2 == 0)
+    ''')}
+    result = await verify_solution(tmp_path, WRONG, hidden=many)
+    assert (result.passed, result.total, result.reward) == (750, 1500, 0.5), result.detail
