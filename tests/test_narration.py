@@ -1,7 +1,11 @@
 """Tests of trainer_bridge.narration: what the bridge says while it trains nothing (pure, with a
 clock of the test's own)."""
 
+import re
 from collections import Counter
+
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trainer_bridge.narration import Narrator, Waiting, group_account
 
@@ -105,3 +109,27 @@ def test_a_group_account_sums_its_members_ledgers():
     trained, excluded = group_account(members[:2], {"a": 0.0, "b": 0.0}, (),
                                       [("a", "trained", 5, 0)])
     assert trained == 0 and excluded["zero_advantage"] == 5
+
+
+@given(st.lists(st.tuples(st.floats(0, 40), st.sampled_from(["auxiliary", "constrained", "stale"]),
+                          st.sampled_from([0, 0, 3])), max_size=40))
+def test_cause_lines_are_rate_limited_per_cause_and_count_every_useless_group(events):
+    lines, clock = [], Clock()
+    narrator = _narrator(lines, clock)
+    said_at, said = {}, Counter()
+    useless = Counter()
+    for dt, cause, trained in events:
+        clock.now += dt
+        before = len(lines)
+        narrator.group_released("g", 4, trained, {cause: 8})
+        useless[cause] += not trained
+        if len(lines) > before:
+            [line] = lines[before:]
+            assert f"excluded {cause} 8" in line
+            assert clock.now - said_at.get(cause, -1e9) >= 30
+            said_at[cause] = clock.now
+            more = re.search(r"and (\d+) more such groups", line)
+            said[cause] += 1 + (int(more.group(1)) if more else 0)
+    for cause in useless:
+        # Every useless group is in some line, or held for the next one.
+        assert said[cause] + narrator._held[cause] == useless[cause]
