@@ -44,10 +44,11 @@ def test_the_published_policy_is_what_every_call_is_pinned_to(gateway, vllm_serv
     assert call["requested"]["temperature"] == 0.2  # the harness's wish, recorded, not applied
 
 
-def test_a_bridge_at_another_temperature_refuses_to_start(gateway, tiny_model_dir):
+def test_a_bridge_at_another_temperature_refuses_to_start(gateway, vllm_server, tiny_model_dir):
+    # A live vLLM: the bridge's preflight refuses an unreachable one before the policy check.
     published = gateway.admin.get("/admin/policy").json()["sampling"]["temperature"]
     command = [sys.executable, "-m", "trainer_bridge.cli", "bridge", "--model",
-               str(tiny_model_dir), "--vllm", "http://127.0.0.1:9", "--gateway", gateway.url,
+               str(tiny_model_dir), "--vllm", vllm_server.url, "--gateway", gateway.url,
                "--admin-key", ADMIN_KEY, "--max-steps", "1", "--temperature", "0.7"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
