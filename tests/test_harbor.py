@@ -224,13 +224,16 @@ CLAUDE_DISALLOWED = ("Agent,Task,Glob,Grep,Read,Edit,Write,MultiEdit,NotebookEdi
 
 
 @needs_harbor
-@pytest.mark.parametrize(("agent", "protocol", "extra"), [
-    ("claude-code", "anthropic", ("--agent-env", "CLAUDE_CODE_MAX_OUTPUT_TOKENS=32",
-                                  "--agent-kwarg", f"disallowed_tools={CLAUDE_DISALLOWED}")),
-    ("codex", "responses", ()),
+@pytest.mark.parametrize(("agent", "provider", "protocol", "extra"), [
+    ("claude-code", "", "anthropic", (
+        "--agent-env", "CLAUDE_CODE_MAX_OUTPUT_TOKENS=32",
+        "--agent-kwarg", f"disallowed_tools={CLAUDE_DISALLOWED}")),
+    ("codex", "", "responses", ()),
+    # Harbor's pi takes provider/model and writes its provider block from OPENAI_BASE_URL.
+    ("pi", "openai/", "chat", ("--agent-kwarg", "model_api=openai-completions")),
 ])
-def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, agent, protocol,
-                                               extra):
+def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, agent, provider,
+                                               protocol, extra):
     """A Harbor agent in the bwrap environment, using the project's pinned CLI (bound
     read-only, so Harbor skips its network install), against the gateway and the tiny model:
     its calls are recorded with the engine's ids and the trial gets Harbor's grade."""
@@ -238,7 +241,8 @@ def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, a
 
     bin_dir = require_harnesses()
     out, states, trials = rollouts(
-        gateway, tmp_path, EXAMPLES / "hello-world", agent, "--model", vllm_server.model,
+        gateway, tmp_path, EXAMPLES / "hello-world", agent, "--model",
+        provider + vllm_server.model,
         "--environment-kwarg", f"ro_paths={NPM_PREFIX}", "--environment-kwarg",
         f"path={bin_dir}", *extra)
     state = states["hello-world"]
