@@ -251,3 +251,34 @@ def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, a
     ok = [c for c in calls if c["status"] == "ok"]
     assert ok and all(c["protocol"] == protocol for c in calls), calls
     assert all(c["prompt_ids"] and len(c["logprobs"]) == len(c["completion_ids"]) for c in ok)
+
+
+def _podman_ready() -> str | None:
+    """Why podman cannot run a trial here, or None. It needs podman (with runc and lowered
+    default ulimits in containers.conf on these machines), podman-compose >= 1.6 and the
+    hello-world task's base image in local storage: no image registry is reachable."""
+    import shutil
+
+    if shutil.which("podman") is None:
+        return "podman is not installed"
+    if shutil.which("podman-compose") is None:
+        return "podman-compose (>= 1.6, from PyPI) is not installed"
+    image = subprocess.run(["podman", "image", "exists", "debian:bookworm-slim"])
+    if image.returncode != 0:
+        return "no local debian:bookworm-slim image (podman import one; no registry here)"
+    return None
+
+
+PODMAN_MISSING = _podman_ready()
+
+
+@needs_harbor
+@pytest.mark.skipif(PODMAN_MISSING is not None,
+                    reason=f"podman cannot run Harbor trials here: {PODMAN_MISSING}")
+def test_podman_environment_passes_through(gateway, tmp_path):
+    """Opt-in: where podman works, the same task on Harbor's podman backend scores the same."""
+    _, states, _ = rollouts(gateway, tmp_path, EXAMPLES / "hello-world", "oracle",
+                            "--environment", "podman")
+    hello = states["hello-world"]
+    assert (hello["status"], hello["reward"]) == ("finished", 1.0)
+    assert hello["metrics"]["isolation"] == "harbor"
