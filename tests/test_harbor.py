@@ -168,6 +168,9 @@ def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, tmp_path):
     assert [c["status"] for c in calls] == ["ok"]
     assert calls[0]["prompt_ids"] and calls[0]["completion_ids"]
     assert len(calls[0]["logprobs"]) == len(calls[0]["completion_ids"])
+    # Merged into a trace as any rollout is (a toolless call: auxiliary, not trained).
+    stats = probe["merge"]["stats"]
+    assert stats["sequences"] == 1 and stats["lost_tokens"] == 0, stats
 
 
 @needs_harbor
@@ -251,6 +254,9 @@ def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, a
     ok = [c for c in calls if c["status"] == "ok"]
     assert ok and all(c["protocol"] == protocol for c in calls), calls
     assert all(c["prompt_ids"] and len(c["logprobs"]) == len(c["completion_ids"]) for c in ok)
+    # Merged into traces with tokens to train, as `rolltap bridge` takes any rollout's.
+    stats = state["merge"]["stats"]
+    assert stats["lost_tokens"] == 0 and stats["trained_tokens"] > 0, stats
 
 
 def _podman_ready() -> str | None:
