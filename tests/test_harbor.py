@@ -288,3 +288,22 @@ def test_podman_environment_passes_through(gateway, tmp_path):
     hello = states["hello-world"]
     assert (hello["status"], hello["reward"]) == ("finished", 1.0)
     assert hello["metrics"]["isolation"] == "harbor"
+
+
+@needs_harbor
+def test_terminus_2_keeps_its_tmux_session_across_execs(gateway, vllm_server, tmp_path):
+    """Harbor's terminus-2 (on the host, calling the gateway with the rollout's key) starts a
+    tmux server in the sandbox in one exec and drives it in later ones: every turn reads the
+    pane of the same session, which only a persistent sandbox keeps."""
+    out, states, trials = rollouts(
+        gateway, tmp_path, EXAMPLES / "hello-world", "terminus-2", "--model",
+        f"openai/{vllm_server.model}", "--agent-kwarg", "max_turns=2",
+        "--agent-kwarg", "record_terminal_session=false")
+    state = states["hello-world"]
+    assert state["status"] == "finished" and state["reward"] == 0.0, (state, out)
+    assert "harbor_exception" not in state["metrics"], state["metrics"]
+    calls = gateway.calls(state["rollout_id"])
+    assert len([c for c in calls if c["status"] == "ok"]) >= 2, calls
+    # The pane captured after the last turn is the shell the setup exec started in tmux.
+    (pane,) = trials.glob("hello-world__*/agent/terminus_2.pane")
+    assert "root@sandbox:/app#" in pane.read_text()
