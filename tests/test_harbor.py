@@ -92,6 +92,15 @@ def test_task_directories_are_found_by_task_toml(tmp_path):
         load_harbor_tasks(str(tmp_path))
 
 
+def test_summary_names_another_harbor_backends_isolation():
+    from sandbox.state import FinishedRollout
+    from sandbox.summary import isolation_line
+
+    record = FinishedRollout("t", 0, 0, "r", "g", "finished", "ok", 1.0, "", 1.0,
+                             isolation="harbor")
+    assert "Harbor environment's own" in isolation_line([record], "bwrap")
+
+
 def test_a_directory_without_a_harbor_harness_says_what_to_do(capsys):
     from sandbox.cli import run_cli
 
