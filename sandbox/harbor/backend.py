@@ -132,7 +132,7 @@ class HarborBackend:
                 "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LANG": "C.UTF-8"}
             worker = await asyncio.create_subprocess_exec(
                 self.python, "-m", "sandbox.harbor.worker", stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, env=env, cwd=REPO, limit=1 << 24)
+                stdout=asyncio.subprocess.PIPE, env=env, limit=1 << 24)
             assert worker.stdout is not None
             line = await asyncio.wait_for(worker.stdout.readline(), WORKER_START_S)
             if not line:

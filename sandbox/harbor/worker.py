@@ -44,8 +44,10 @@ def _environment_config(request: TrialRequest):
 def _agent_config(request: TrialRequest):
     from harbor.models.trial.config import AgentConfig
 
-    where = ({"import_path": request.agent} if ":" in request.agent
-             else {"name": request.agent})
+    from sandbox.harbor.agents import OFFLINE
+
+    agent = OFFLINE.get(request.agent, request.agent)
+    where = {"import_path": agent} if ":" in agent else {"name": agent}
     return AgentConfig(**where, model_name=request.model, env=dict(request.agent_env),
                        kwargs=dict(request.agent_kwargs))
 
