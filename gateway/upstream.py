@@ -237,8 +237,9 @@ class Upstreams:
     async def _probe_forever(self) -> None:
         while True:
             await asyncio.sleep(self._probe_interval_s)
-            await self.health()
-            await self.watch_pauses()
+            health = await self.health()
+            # Only replicas that answer: a frozen one would hold up the next round of probes.
+            await self.watch_pauses([url for url, result in health.items() if result == "ok"])
 
     def lease_pause(self, url: str, seconds: float) -> Replica | None:
         """A bridge holds `url` paused for `seconds` more (0: it resumed it, the lease ends)."""
@@ -247,8 +248,8 @@ class Upstreams:
             replica.pause_lease_until = time.monotonic() + seconds if seconds > 0 else None
         return replica
 
-    async def watch_pauses(self) -> None:
-        """Note which replicas are paused, and resume those whose pause lease ran out."""
+    async def watch_pauses(self, urls: list[str]) -> None:
+        """Note which of `urls` are paused, and resume those whose pause lease ran out."""
         timeout = aiohttp.ClientTimeout(total=self._probe_timeout_s)
 
         async def one(replica: Replica) -> None:
@@ -271,7 +272,7 @@ class Upstreams:
             except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError) as exc:
                 log.warning("replica %s: pause check failed: %s", replica.url, exc)
 
-        await asyncio.gather(*(one(r) for r in self._list))
+        await asyncio.gather(*(one(r) for url in urls if (r := self.replicas.get(url))))
 
     async def health(self, timeout_s: float | None = None) -> dict[str, str]:
         """Probes every replica's /health, feeding the result into its health state; each

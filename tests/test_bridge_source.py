@@ -794,3 +794,22 @@ async def test_a_resume_takes_back_the_steps_after_its_checkpoint(lease_pool):
     assert sorted(r["id"] for r in claimed) == sorted(later)
     assert [r["delivery_attempts"] for r in claimed] == [0, 0]
     assert [r["advantage"] for r in claimed] == [0.5, 0.5]  # trained again with the same numbers
+
+
+async def test_a_group_the_trainer_fails_on_counts_a_fault_and_is_given_back(
+    lease_pool, lease_database
+):
+    match = {"run": uuid.uuid4().hex}
+    ids = await _rollouts(lease_pool, "g-untrainable", 2, match, traces=[_trace([1, 1])])
+    source = RolloutSource(_db_config(lease_database, match))
+    source.start()
+    try:
+        samples = [await asyncio.to_thread(source.rollout_buffer.get, timeout=60)
+                   for _ in ids]
+        await asyncio.to_thread(source.fault, [int(s.metrics[DELIVERY_KEY]) for s in samples])
+    finally:
+        await asyncio.to_thread(source.stop)
+    async with lease_pool.acquire() as conn:
+        rows = await conn.fetch("SELECT delivery_attempts, lease_owner, consumed_at"
+                                " FROM rollouts WHERE id = ANY($1)", ids)
+    assert [tuple(r) for r in rows] == [(1, None, None)] * 2

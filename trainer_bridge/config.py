@@ -134,8 +134,8 @@ class BridgeConfig:
         "seconds between looks at the database when no notification arrives", _GROUPS,
         metavar="S", type=float))
     max_attempts: int = field(default=5, metadata=_opt(
-        "failed claims of a group (it could not be built into samples) before it is "
-        "quarantined and reported; a bridge's crash does not count", _GROUPS,
+        "faults of a group (it could not be built into samples, or the trainer failed on "
+        "them) before it is quarantined and reported; a bridge's crash does not count", _GROUPS,
         metavar="N", type=int))
     db_give_up: float = field(default=600.0, metadata=_opt(
         "seconds of nothing but database errors before the bridge gives up (shorter outages "

@@ -7,8 +7,9 @@ A rollout is deliverable once its traces are stored (`merged_at`), until it is c
 locks the group's deliverable rows (`FOR UPDATE SKIP LOCKED`, so bridges never wait on each
 other) and leases them to itself until `lease_until`. A bridge that dies holding a lease loses it
 when the lease runs out; another one then claims the group. `delivery_attempts` counts the
-group's own faults (it could not be built into samples), not its claims: a lease lost because its
-bridge died says nothing about the group, so crashes alone never quarantine it.
+group's own faults (it could not be built into samples, or the trainer failed on them), not its
+claims: a lease lost because its bridge died says nothing about the group, so crashes alone never
+quarantine it.
 
 Releasing a group fixes its members' advantages (`released_at`, `advantage`) before any of its
 samples reach a trainer; a later claim of the same rollouts (after a crash) trains the same

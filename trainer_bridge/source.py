@@ -432,6 +432,23 @@ class RolloutSource:
         sample.model_version = int(out.versions[keep].max())
         return sample
 
+    def fault(self, keys: Sequence[int]) -> None:
+        """The trainer failed on the samples numbered `keys`: their groups count a fault
+        (towards `max_attempts`) and their leases go back; the error then ends the run."""
+        with self._lock:
+            ids = list({out.rollout_id for key in keys
+                        if (out := self._pending.get(int(key))) is not None})
+        loop = self._loop
+        if not ids or loop is None or self._thread is None or not self._thread.is_alive():
+            return  # nothing counts it; the leases run out
+        log.error("training failed on samples of %d rollouts; their groups count a fault",
+                  len(ids))
+        asyncio.run_coroutine_threadsafe(
+            self._retry(lambda conn: deliveries.release(conn, self.owner, ids, fault=True),
+                        "counting a training fault"),
+            loop,
+        ).result()
+
     def acknowledge(self, step: int, keys: Sequence[int]) -> None:
         """Log that optimizer step `step` took the samples numbered `keys`: called by the
         trainer after the step, it returns once the delivery log holds them (retrying through

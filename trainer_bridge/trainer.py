@@ -193,7 +193,13 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
         if numbers is not None and self.accelerator.is_main_process:
             self.step_deliveries.extend(numbers[0].tolist())
         crash_point("during_step")
-        return super().training_step(model, inputs, num_items_in_batch)
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        except Exception:
+            # These samples could not be trained: a fault of their groups, not of the bridge.
+            if numbers is not None and hasattr(self.rollout_worker, "fault"):
+                self.rollout_worker.fault(numbers[0].tolist())
+            raise
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.loss_normalization == "rollout":
