@@ -211,12 +211,11 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         for name in ("eject_after", "max_inflight"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+                raise ValueError(f"{_flag_of(name)} must be at least 1")
         for name in ("probe_interval_s", "ttft_timeout_s", "stream_idle_timeout_s",
                      "idle_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
-                flag = name.removesuffix("_s").replace("_", "-")
-                raise ValueError(f"--{flag} must be a positive number of seconds")
+                raise ValueError(f"{_flag_of(name)} must be a positive number of seconds")
         if not self.drain_timeout_s >= 0:
             raise ValueError("--drain-timeout must be zero or more seconds")
         if self.db_pool_size < 4:
@@ -237,6 +236,10 @@ def _flag(f: dataclasses.Field) -> str:
         return f.metadata["flag"]
     name = f.name.removesuffix("_s").replace("_", "-")
     return f"--no-{name}" if f.default is True else f"--{name}"
+
+
+def _flag_of(name: str) -> str:
+    return next(_flag(f) for f in dataclasses.fields(GatewayConfig) if f.name == name)
 
 
 def _env_name(f: dataclasses.Field) -> str:
@@ -279,7 +282,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            else _field_default(f))
             shown = f"; default {default}" if meta["show_default"] else ""
             kwargs.update(type=meta["kind"], default=default, metavar=meta["metavar"],
-                          help=f"{meta['help']} (env {env}{shown})".replace("%", "%%"))
+                          help=f"{meta['help']} (env {env}{shown})")
+        kwargs["help"] = kwargs["help"].replace("%", "%%")
         parser.add_argument(_flag(f), **kwargs)
 
 
