@@ -1,13 +1,6 @@
 """`GatewayConfig`: every knob of `rolltap gateway` declared once, as a dataclass whose fields
-carry their flag's help (the style of `trainer_bridge/config.py`). The command line and the
-`ROLLTAP_*` variables are generated from the fields, so a flag, its help, its variable and its
-default cannot drift apart. Precedence: flag, then environment variable, then default.
-
-Naming: a field's flag is its name without a `_s` unit suffix (`ttft_timeout_s`:
-`--ttft-timeout`) and its variable that flag in capitals (`ROLLTAP_TTFT_TIMEOUT`). A boolean
-field is a switch: one that defaults to on is turned off by `--no-NAME` or `ROLLTAP_NAME=0`,
-one that defaults to off is turned on by `--NAME` or `ROLLTAP_NAME=1`.
-"""
+carry their flag's help; its flags and `ROLLTAP_*` variables are generated from the fields
+(gateway/knobs.py says how they are named). Precedence: flag, then variable, then default."""
 
 from __future__ import annotations
 
@@ -15,15 +8,13 @@ import argparse
 import dataclasses
 import os
 import secrets
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway import knobs
+from gateway.knobs import knob
 from gateway.merge import MergeOptions
-
-ENV_PREFIX = "ROLLTAP_"
-_ON_WORDS, _OFF_WORDS = ("1", "true", "yes"), ("0", "false", "no")
 
 
 def default_data_dir() -> Path:
@@ -33,24 +24,9 @@ def default_data_dir() -> Path:
     return Path(base) / "rolltap"
 
 
-def _opt(
-    help: str,
-    metavar: str | None = None,
-    *,
-    kind: Callable[[str], Any] = str,
-    flag: str | None = None,
-    env: str | None = None,
-    flag_default: Any = dataclasses.MISSING,
-    to_field: Callable[[Any], Any] | None = None,
-    show_default: bool = True,
-    **argparse_kwargs: Any,
-) -> dict:
-    """A field's flag. `kind` converts its text (flag or variable); `flag_default` is the flag's
-    default where the field's own differs in type or meaning, and `to_field` turns the flag's
-    value into the field's (--max-body-mb 32 is max_body_bytes 33554432)."""
-    return {"help": help, "metavar": metavar, "kind": kind, "flag": flag, "env": env,
-            "flag_default": flag_default, "to_field": to_field, "show_default": show_default,
-            "argparse": argparse_kwargs}
+def _opt(help: str, metavar: str | None = None, **kwargs: Any) -> dict:
+    """A gateway flag: its help shows its default, None included, unless told otherwise."""
+    return knob(help, metavar, **{"show_default": True, **kwargs})
 
 
 def _none_if_zero(value: float) -> float | None:
@@ -83,18 +59,18 @@ def _train(what: str) -> Any:
 class GatewayConfig:
     """Configuration of the gateway (see `rolltap gateway --help`)."""
 
-    upstreams: list[str] = field(metadata=_opt(
+    upstreams: list[str] = field(default_factory=list, metadata=_opt(
         "vLLM server root, e.g. http://127.0.0.1:8000; repeat for several replicas (env "
         "ROLLTAP_UPSTREAMS, comma separated). A rollout stays on one replica while it is "
         "healthy; more can be added at run time (POST /admin/upstreams).", "URL",
-        flag="--upstream", env="UPSTREAMS", action="append"))
+        flag="--upstream", env="UPSTREAMS", env_in_help=True, action="append"))
     host: str = field(default="127.0.0.1", metadata=_opt("bind address"))
-    port: int = field(default=9000, metadata=_opt("bind port", kind=int))
+    port: int = field(default=9000, metadata=_opt("bind port", type=int))
     database_url: str | None = field(default=None, metadata=_opt(
         "Postgres DSN. Without it an embedded Postgres is started in --data-dir", "DSN",
         show_default=False))
     data_dir: Path = field(default_factory=default_data_dir, metadata=_opt(
-        "where the embedded Postgres keeps its data", kind=Path))
+        "where the embedded Postgres keeps its data", type=Path))
     admin_key: str = field(default="", metadata=_opt(
         "key for /admin routes. If unset, one is generated and printed", "KEY",
         flag_default=None, to_field=_admin_key, show_default=False))
@@ -105,24 +81,24 @@ class GatewayConfig:
     # 0666), bound into their network namespace.
     unix_socket: Path | None = field(default=None, metadata=_opt(
         "also listen on this Unix socket; `rolltap rollouts --gateway-socket PATH` binds it "
-        "into confined sandboxes as their only way out", "PATH", kind=Path, show_default=False))
+        "into confined sandboxes as their only way out", "PATH", type=Path, show_default=False))
     # The training policy: every sampled token is drawn at this temperature with no truncation,
     # so the recorded logprobs are the ones the trainer's ratio is computed against.
     temperature: float = field(default=1.0, metadata=_opt(
         "sampling temperature of the training policy; top_p 1, no top_k/min_p/penalties",
-        kind=float))
+        type=float))
     max_body_bytes: int = field(default=32 * 1024 * 1024, metadata=_opt(
-        "largest request body accepted, in MiB", "MIB", kind=float, flag="--max-body-mb",
+        "largest request body accepted, in MiB", "MIB", type=float, flag="--max-body-mb",
         flag_default=32.0, to_field=_mib_to_bytes))
     upstream_timeout_s: float = field(default=600.0, metadata=_opt(
-        "seconds a single upstream call may take", "SECONDS", kind=float))
+        "seconds a single upstream call may take", "SECONDS", type=float))
     default_max_tokens: int | None = field(default=None, metadata=_opt(
         "output cap for requests that set none (Codex sends none); 0: the engine's context "
         "limit. Codex exits 1 when this cap binds (an incomplete response): leave it unset for "
-        "Codex rollouts", "N", kind=int, flag_default=0, to_field=_none_if_zero))
+        "Codex rollouts", "N", type=int, flag_default=0, to_field=_none_if_zero))
     rollout_timeout_s: float | None = field(default=None, metadata=_opt(
         "default deadline of a rollout that names none, in seconds; past it the rollout ends "
-        "as timeout; 0: none", "SECONDS", kind=float, flag_default=0.0,
+        "as timeout; 0: none", "SECONDS", type=float, flag_default=0.0,
         to_field=_none_if_zero))
     # exact: a request that continues an earlier call of its rollout gets that call's prompt and
     # sampled ids back as its prompt prefix; render: the engine re-renders every conversation.
@@ -135,11 +111,11 @@ class GatewayConfig:
         "the served model's directory (tokenizer.json, tokenizer_config.json): render exact "
         "continuations in the gateway with its chat template and tokenizer, which saves the "
         "engine round trip; used only where a self-check against the engine shows the same "
-        "ids, and cross-checked on a sample of calls", "MODEL_DIR", kind=Path,
+        "ids, and cross-checked on a sample of calls", "MODEL_DIR", type=Path,
         show_default=False))
     tokenizer: Path | None = field(default=None, metadata=_opt(
         "the served model's directory; the trace viewer (/ui) shows token text decoded with "
-        "its tokenizer.json; default: --local-template", "MODEL_DIR", kind=Path,
+        "its tokenizer.json; default: --local-template", "MODEL_DIR", type=Path,
         show_default=False))
     record_bodies: bool = field(default=True, metadata=_opt(
         "do not keep compressed request/response bodies (token records are always kept)"))
@@ -152,20 +128,20 @@ class GatewayConfig:
     # over 2 s in the gateway bench at c=64 (load average 16 on 2 cores).
     db_acquire_timeout_s: float = field(default=5.0, metadata=_opt(
         "longest wait for a database connection (also connecting) before a call fails with "
-        "503", "SECONDS", kind=float))
+        "503", "SECONDS", type=float))
     db_command_timeout_s: float = field(default=10.0, metadata=_opt(
         "longest a database statement (a commit of call records included) may take before the "
-        "calls waiting on it fail with 503", "SECONDS", kind=float))
+        "calls waiting on it fail with 503", "SECONDS", type=float))
     # Past it new calls get 503 (529 on the Anthropic API) with Retry-After rather than
     # queueing without bound.
     max_pending_records: int = field(default=4096, metadata=_opt(
         "call records that may wait for their commit; beyond that new calls are turned away "
-        "with 503/529 and Retry-After", "N", kind=int))
+        "with 503/529 and Retry-After", "N", type=int))
     # See store/tokens.RecentCalls; past it the least recently used rollouts are read back from
     # the database when they call again.
     recent_calls_mib: int = field(default=512, metadata=_opt(
         "memory for running rollouts' latest calls (ids, bodies, continuation keys); past it "
-        "the least recently used are read back from the database", "MIB", kind=int))
+        "the least recently used are read back from the database", "MIB", type=int))
     train_constrained: bool = _train("constrained")
     train_auxiliary: bool = _train("auxiliary")
     train_abandoned: bool = _train("abandoned")
@@ -173,31 +149,31 @@ class GatewayConfig:
     # Operating many replicas and gateways (see README, "Running at scale").
     eject_after: int = field(default=3, metadata=_opt(
         "consecutive failures (probes, connect errors, 5xx, broken or frozen streams) that "
-        "take a replica out of service until a /health probe passes", "N", kind=int))
+        "take a replica out of service until a /health probe passes", "N", type=int))
     probe_interval_s: float = field(default=2.0, metadata=_opt(
-        "seconds between /health probes of every replica", "SECONDS", kind=float))
+        "seconds between /health probes of every replica", "SECONDS", type=float))
     replica_max_inflight: int | None = field(default=None, metadata=_opt(
         "new rollouts avoid a replica with this many calls in flight while another has room",
-        "N", kind=int))
+        "N", type=int))
     ttft_timeout_s: float = field(default=120.0, metadata=_opt(
         "seconds a stream may wait for its first chunk; then the call fails and the replica "
-        "counts a failure", "SECONDS", kind=float))
+        "counts a failure", "SECONDS", type=float))
     stream_idle_timeout_s: float = field(default=30.0, metadata=_opt(
         "seconds a stream may go without a chunk; then the call fails and the replica counts "
-        "a failure", "SECONDS", kind=float))
+        "a failure", "SECONDS", type=float))
     max_inflight: int = field(default=1024, metadata=_opt(
         "model calls served at once; past it callers get 429 (OpenAI) or 529 (Anthropic) with "
-        "Retry-After", "N", kind=int))
+        "Retry-After", "N", type=int))
     drain_timeout_s: float = field(default=30.0, metadata=_opt(
         "on SIGTERM/SIGINT, seconds in-flight calls may still finish; then they are recorded "
-        "aborted and ended with an error event", "SECONDS", kind=float))
+        "aborted and ended with an error event", "SECONDS", type=float))
     idle_timeout_s: float = field(default=15.0, metadata=_opt(
         "seconds a connection may take to send a request head, also between keep-alive "
-        "requests; then it is closed", "SECONDS", kind=float))
+        "requests; then it is closed", "SECONDS", type=float))
     body_timeout_s: float = field(default=30.0, metadata=_opt(
-        "seconds a request may take to send its body; then it gets 408", "SECONDS", kind=float))
+        "seconds a request may take to send its body; then it gets 408", "SECONDS", type=float))
     db_pool_size: int = field(default=10, metadata=_opt(
-        "Postgres connections in the pool (at least 4)", "N", kind=int))
+        "Postgres connections in the pool (at least 4)", "N", type=int))
 
     @property
     def merge_options(self) -> MergeOptions:
@@ -231,74 +207,18 @@ class GatewayConfig:
         self.public_url = self.public_url.rstrip("/")
 
 
-def _flag(f: dataclasses.Field) -> str:
-    if f.metadata["flag"]:
-        return f.metadata["flag"]
-    name = f.name.removesuffix("_s").replace("_", "-")
-    return f"--no-{name}" if f.default is True else f"--{name}"
-
-
 def _flag_of(name: str) -> str:
-    return next(_flag(f) for f in dataclasses.fields(GatewayConfig) if f.name == name)
-
-
-def _env_name(f: dataclasses.Field) -> str:
-    if f.metadata["env"]:
-        return ENV_PREFIX + f.metadata["env"]
-    return ENV_PREFIX + _flag(f).removeprefix("--").removeprefix("no-").replace("-", "_").upper()
-
-
-def _env_value(f: dataclasses.Field) -> Any:
-    """The field's flag value from its variable, or None when that is unset."""
-    text = os.environ.get(_env_name(f))
-    if text is None:
-        return None
-    try:
-        return f.metadata["kind"](text)
-    except ValueError as exc:
-        raise SystemExit(
-            f"rolltap gateway: {_env_name(f)}={text!r}: {exc}; correct or unset it"
-        ) from None
+    return next(knobs.flag_name(f) for f in dataclasses.fields(GatewayConfig) if f.name == name)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field of `GatewayConfig`, its default taken from the variable when set."""
-    for f in dataclasses.fields(GatewayConfig):
-        meta, env = f.metadata, _env_name(f)
-        kwargs: dict[str, Any] = {"dest": f.name, **meta["argparse"]}
-        if f.type == "bool":
-            words = _OFF_WORDS if f.default else _ON_WORDS
-            kwargs.update(action="store_true",
-                          default=(os.environ.get(env) or "").lower() in words,
-                          help=f"{meta['help']} (env {env}={words[0]})")
-        elif kwargs.get("action") == "append":
-            # A list from the variable stands in for an absent flag in `from_args`: argparse
-            # would append the flags to a default list.
-            kwargs.update(metavar=meta["metavar"], help=meta["help"])
-        else:
-            default = _env_value(f)
-            if default is None:
-                default = (meta["flag_default"] if meta["flag_default"] is not dataclasses.MISSING
-                           else _field_default(f))
-            shown = f"; default {default}" if meta["show_default"] else ""
-            kwargs.update(type=meta["kind"], default=default, metavar=meta["metavar"],
-                          help=f"{meta['help']} (env {env}{shown})")
-        kwargs["help"] = kwargs["help"].replace("%", "%%")
-        parser.add_argument(_flag(f), **kwargs)
+    knobs.add_arguments(GatewayConfig, parser, secret=("admin_key",))
 
 
 def from_args(args: argparse.Namespace) -> GatewayConfig:
     """The config of flags parsed by a parser `add_arguments` filled."""
-    values = {}
-    for f in dataclasses.fields(GatewayConfig):
-        value = getattr(args, f.name)
-        if f.type == "bool":
-            value = value != f.default  # the switch names what it changes
-        elif f.metadata["argparse"].get("action") == "append" and not value:
-            value = [part for part in os.environ.get(_env_name(f), "").split(",") if part]
-        if f.metadata["to_field"]:
-            value = f.metadata["to_field"](value)
-        values[f.name] = value
+    values = knobs.values_from_args(GatewayConfig, args)
     if not values["upstreams"]:
         raise SystemExit(
             "rolltap gateway: no upstream. Pass --upstream http://HOST:PORT (a vLLM server, e.g. "
@@ -308,9 +228,3 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         return GatewayConfig(**values)
     except ValueError as exc:
         raise SystemExit(f"rolltap gateway: {exc}") from None
-
-
-def _field_default(f: dataclasses.Field) -> Any:
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return f.default
