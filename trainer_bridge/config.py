@@ -1,8 +1,9 @@
 """`BridgeConfig`: every knob of `rolltap bridge` in one place, in TRL's style (a dataclass whose
 fields carry their help), filled from command-line flags and `ROLLTAP_<FIELD>` variables.
 
-The command line is generated from the fields, so a flag, its help, its environment variable
-and its default cannot drift apart. Precedence: flag, then environment variable, then default.
+The command line is generated from the fields (gateway/knobs.py, shared with the gateway's
+config), so a flag, its help, its environment variable and its default cannot drift apart.
+Precedence: flag, then environment variable, then default.
 """
 
 from __future__ import annotations
@@ -10,30 +11,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from gateway import knobs
+
 if TYPE_CHECKING:  # the source pulls in TRL: not needed to parse flags or print --help
     from trainer_bridge.source import SourceConfig
 
-ENV_PREFIX = "ROLLTAP_"
 _SECRET = ("admin_key",)
 
 
 def _opt(help: str, group: str, **argparse_kwargs: Any) -> dict:
-    return {"help": help, "group": group, "argparse": argparse_kwargs}
-
-
-def _key_value(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
+    return knobs.knob(help, group=group, **argparse_kwargs)
 
 
 def match_arg(key: str, value: object) -> str:
@@ -111,7 +102,7 @@ class BridgeConfig:
     overrides: dict = field(default_factory=dict, metadata=_opt(
         "any other AsyncGRPOConfig field, VALUE as JSON or text, e.g. --set "
         "gradient_accumulation_steps=4 --set seed=1; repeatable", _TRAIN, flag="--set",
-        metavar="KEY=VALUE", action="append", type=_key_value))
+        env="OVERRIDES", metavar="KEY=VALUE", action="append", type=knobs.key_value))
 
     # -- rollouts and groups
     group_deadline: float = field(default=600.0, metadata=_opt(
@@ -123,7 +114,7 @@ class BridgeConfig:
         "only rollouts whose metadata has KEY=VALUE (VALUE as JSON or text: a text value "
         "that reads as JSON, like the id 64309107, goes in JSON quotes: run='\"64309107\"'); "
         "repeatable",
-        _GROUPS, metavar="KEY=VALUE", action="append", type=_key_value))
+        _GROUPS, metavar="KEY=VALUE", action="append", type=knobs.key_value))
     queue_size: int = field(default=64, metadata=_opt(
         "claim new groups only while fewer than N samples wait for the trainer", _GROUPS,
         metavar="N", type=int))
@@ -213,64 +204,9 @@ class BridgeConfig:
     def add_arguments(cls, parser: argparse.ArgumentParser, required: tuple[str, ...] = ()):
         """One flag per field, in its group, defaulting to `ROLLTAP_<FIELD>` when that is set.
         Fields in `required` must come from a flag or the environment."""
-        groups: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            meta = f.metadata
-            group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
-            kwargs = dict(meta["argparse"])
-            env_name = ENV_PREFIX + f.name.upper()
-            env_value = os.environ.get(env_name)
-            default = cls._from_env(f, env_value) if env_value else _default(f)
-            help_text = f"{meta['help']} (env {env_name}"
-            shown = f.name not in _SECRET and f.name not in required
-            if shown and default not in (None, [], {}, ""):
-                help_text += f"; default {_show(default)}"
-            kwargs["help"] = help_text.replace("%", "%%") + ")"
-            if f.name in required and not env_value:
-                kwargs["required"] = True
-            elif kwargs.get("action") == "append":
-                kwargs["default"] = None  # argparse would append to a default list
-            else:
-                kwargs["default"] = default
-            flag = kwargs.pop("flag", None) or "--" + f.name.replace("_", "-")
-            group.add_argument(flag, dest=f.name, **kwargs)
+        knobs.add_arguments(cls, parser, required=required, secret=_SECRET)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BridgeConfig:
         """The config of parsed flags (from `add_arguments`); unset ones from the environment."""
-        values = {}
-        for f in dataclasses.fields(cls):
-            value = getattr(args, f.name, None)
-            if value is None:
-                env_value = os.environ.get(ENV_PREFIX + f.name.upper())
-                value = cls._from_env(f, env_value) if env_value else _default(f)
-            elif f.type == "dict":
-                value = dict(value)
-            values[f.name] = value
-        return cls(**values)
-
-    @staticmethod
-    def _from_env(f: dataclasses.Field, text: str) -> Any:
-        """A field's value from its environment variable: lists comma-separated, KEY=VALUE
-        pairs comma-separated, booleans as 1/0/true/false."""
-        if f.type == "dict":
-            return dict(_key_value(part) for part in text.split(",") if part)
-        if f.type == "list[str]":
-            return [part for part in text.split(",") if part]
-        if f.type == "bool":
-            return text.strip().lower() in ("1", "true", "yes", "on")
-        convert = f.metadata["argparse"].get("type", str)
-        try:
-            return convert(text)
-        except (TypeError, ValueError) as exc:
-            raise SystemExit(f"error: {ENV_PREFIX}{f.name.upper()}={text!r}: {exc}") from None
-
-
-def _default(f: dataclasses.Field) -> Any:
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return f.default
-
-
-def _show(value: Any) -> str:
-    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+        return cls(**knobs.values_from_args(cls, args))
