@@ -90,8 +90,9 @@ FLAGS = [
      'seconds between looks at the database when no notification arrives (env '
      'ROLLTAP_POLL_INTERVAL; default 2.0)'),
     ('--max-attempts', 5, False, 'N', None,
-     'failed claims of a group (it could not be built into samples) before it is quarantined'
-     " and reported; a bridge's crash does not count (env ROLLTAP_MAX_ATTEMPTS; default 5)"),
+     'faults of a group (it could not be built into samples, or the trainer failed on them) '
+     "before it is quarantined and reported; a bridge's crash does not count (env "
+     'ROLLTAP_MAX_ATTEMPTS; default 5)'),
     ('--db-give-up', 600.0, False, 'S', None,
      'seconds of nothing but database errors before the bridge gives up (shorter outages are'
      ' retried with backoff) (env ROLLTAP_DB_GIVE_UP; default 600.0)'),
