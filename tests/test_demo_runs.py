@@ -31,9 +31,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.knobs import key_value
 from sandbox.demo import stop_embedded_postgres
 from tests.support.gateway import REPO
-from trainer_bridge.config import _key_value, match_arg
+from trainer_bridge.config import match_arg
 
 MARKER = "ROLLTAP_DEMO_TREE_TEST"
 # Stages are the demo's own `== N/7` headings; what must be running once each is under way.
@@ -166,11 +167,11 @@ def test_an_ended_demo_leaves_only_its_postgres(how, stage, demo_dir):
 @given(st.text(st.characters(blacklist_categories=("Cs",)), min_size=1).filter(
     lambda key: "=" not in key), st.text(st.characters(blacklist_categories=("Cs",))))
 def test_a_match_argument_selects_its_value_as_text(key, value):
-    assert _key_value(match_arg(key, value)) == (key, value)
+    assert key_value(match_arg(key, value)) == (key, value)
 
 
 def test_a_run_id_of_digits_written_bare_is_read_as_a_number():
     """The demo's hang: its run id written bare came back a number."""
-    assert _key_value("run=64309107") == ("run", 64309107)
-    assert _key_value("run=123e4567")[1] != "123e4567"
-    assert _key_value(match_arg("run", "64309107")) == ("run", "64309107")
+    assert key_value("run=64309107") == ("run", 64309107)
+    assert key_value("run=123e4567")[1] != "123e4567"
+    assert key_value(match_arg("run", "64309107")) == ("run", "64309107")
