@@ -20,12 +20,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sandbox.harbor import podman
 from sandbox.harbor.backend import harbor_python, trial_outcome
 from sandbox.harbor.protocol import TrialReply
 from sandbox.harbor.tasks import load_harbor_tasks, task_dirs
 from sandbox.state import StateFile
 from sandbox.tasks import TaskFileError
 from tests.support.gateway import ADMIN_KEY
+from tests.support.images import base_image_fixture  # noqa: F401 (the base_image fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "harbor"
@@ -268,32 +270,20 @@ def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, a
     assert stats["lost_tokens"] == 0 and stats["trained_tokens"] > 0, stats
 
 
-def _podman_ready() -> str | None:
-    """Why podman cannot run a trial here, or None. It needs podman (with runc and lowered
-    default ulimits in containers.conf on these machines), podman-compose >= 1.6 and the
-    hello-world task's base image in local storage: no image registry is reachable."""
-    import shutil
-
-    if shutil.which("podman") is None:
-        return "podman is not installed"
-    if shutil.which("podman-compose") is None:
-        return "podman-compose (>= 1.6, from PyPI) is not installed"
-    image = subprocess.run(["podman", "image", "exists", "debian:bookworm-slim"])
-    if image.returncode != 0:
-        return "no local debian:bookworm-slim image (podman import one; no registry here)"
-    return None
-
-
-PODMAN_MISSING = _podman_ready()
+PODMAN_MISSING = podman.missing(harbor_python())
 
 
 @needs_harbor
 @pytest.mark.skipif(PODMAN_MISSING is not None,
                     reason=f"podman cannot run Harbor trials here: {PODMAN_MISSING}")
-def test_podman_environment_passes_through(gateway, tmp_path):
-    """Opt-in: where podman works, the same task on Harbor's podman backend scores the same."""
+def test_podman_environment_passes_through(gateway, vllm_server, base_image, tmp_path,
+                                          monkeypatch):
+    """Opt-in: where podman works, the same task on Harbor's podman backend scores the same.
+    No registry is reachable: rolltap's base image stands in for the task's debian image."""
+    monkeypatch.setenv("CONTAINERS_CONF", podman.CONTAINERS_CONF)
+    podman.stand_in_slim(base_image)
     _, states, _ = rollouts(gateway, tmp_path, EXAMPLES / "hello-world", "oracle",
-                            "--environment", "podman")
+                            "--environment", "podman", "--model", vllm_server.model)
     hello = states["hello-world"]
     assert (hello["status"], hello["reward"]) == ("finished", 1.0)
     assert hello["metrics"]["isolation"] == "harbor"
