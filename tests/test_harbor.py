@@ -134,8 +134,9 @@ def rollouts(gateway, tmp_path: Path, tasks: Path, agent: str, *extra: str
 
 
 @needs_harbor
-def test_oracle_scores_and_infrastructure_failure_is_unscorable(gateway, tmp_path):
-    out, states, trials = rollouts(gateway, tmp_path, EXAMPLES, "oracle")
+def test_oracle_scores_and_infrastructure_failure_is_unscorable(gateway, vllm_server, tmp_path):
+    out, states, trials = rollouts(gateway, tmp_path, EXAMPLES, "oracle", "--model",
+                                   vllm_server.model)
     hello = states["hello-world"]
     assert (hello["status"], hello["reward"]) == ("finished", 1.0)
     assert hello["metrics"]["isolation"] == "bwrap"
@@ -156,18 +157,19 @@ def test_oracle_scores_and_infrastructure_failure_is_unscorable(gateway, tmp_pat
 
 
 @needs_harbor
-def test_nop_scores_zero(gateway, tmp_path):
-    _, states, _ = rollouts(gateway, tmp_path, EXAMPLES / "hello-world", "nop")
+def test_nop_scores_zero(gateway, vllm_server, tmp_path):
+    _, states, _ = rollouts(gateway, tmp_path, EXAMPLES / "hello-world", "nop", "--model",
+                            vllm_server.model)
     assert (states["hello-world"]["status"], states["hello-world"]["reward"]) == (
         "finished", 0.0)
 
 
 @needs_harbor
-def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, tmp_path):
+def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, vllm_server, tmp_path):
     """The trial's agent phase calls the model through the gateway with the rollout's key
     (recorded with the engine's ids); it cannot use the admin API or reach Postgres, holds no
     other secret, and the verifier's environment has no key. The task's memory_mb holds."""
-    _, states, _ = rollouts(gateway, tmp_path, FIXTURES, "oracle")
+    _, states, _ = rollouts(gateway, tmp_path, FIXTURES, "oracle", "--model", vllm_server.model)
     assert states["memory-capped"]["reward"] == 0.0
     probe = states["probe"]
     found = probe["metrics"]["harbor_rewards"]
