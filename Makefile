@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install deps test demo demo-real bench lint clean gpu-check
+.PHONY: install deps bench-deps test demo demo-real bench lint clean gpu-check
 
 install: deps $(STAMP) $(HARBOR_STAMP)
 
@@ -44,6 +44,8 @@ $(STAMP): pyproject.toml
 HARBOR_VENV  := .venv-harbor
 HARBOR_STAMP := $(HARBOR_VENV)/.installed
 HARBOR_PIN   := harbor==0.25.0
+# Harbor's podman environment runs podman-compose >= 1.6 (Debian's 1.0.3 lacks --in-pod).
+PODMAN_COMPOSE_PIN := podman-compose==1.6.0
 $(HARBOR_STAMP): Makefile $(STAMP)
 	@py=$$(command -v python3.12 >/dev/null && python3.12 -c 'import sys' 2>/dev/null \
 	  && echo python3.12); \
@@ -54,7 +56,7 @@ $(HARBOR_STAMP): Makefile $(STAMP)
 	install 3.12) and rerun make" >&2; exit 1; fi; \
 	test -x $(HARBOR_VENV)/bin/python || $$py -m venv $(HARBOR_VENV)
 	HARBOR_TELEMETRY=0 $(HARBOR_VENV)/bin/pip install -q -U pip wheel
-	HARBOR_TELEMETRY=0 $(HARBOR_VENV)/bin/pip install -q $(HARBOR_PIN) msgspec==$$($(BIN)/python -c 'import msgspec; print(msgspec.__version__)')
+	HARBOR_TELEMETRY=0 $(HARBOR_VENV)/bin/pip install -q $(HARBOR_PIN) $(PODMAN_COMPOSE_PIN) msgspec==$$($(BIN)/python -c 'import msgspec; print(msgspec.__version__)')
 	touch $(HARBOR_STAMP)
 
 test: install
@@ -67,7 +69,20 @@ demo: install
 demo-real: install
 	$(BIN)/rolltap demo --model smol
 
-bench: install
+# podman, for the bench's rows beside rolltap's own sandboxes and the opt-in podman test of
+# tests/test_harbor.py: runc because crun fails on these kernels' hybrid cgroups; its settings
+# are sandbox/harbor/containers.conf (CONTAINERS_CONF), not /etc. Not part of `make install`.
+PODMAN_DEBS := podman runc
+bench-deps:
+	@if ! command -v podman >/dev/null || ! command -v runc >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && apt-get install -y -qq $(PODMAN_DEBS); \
+	  else \
+	    echo "no podman: the bench's podman rows say why (apt-get install $(PODMAN_DEBS))" >&2; \
+	  fi; \
+	fi
+
+bench: install bench-deps
 	$(BIN)/python -m bench
 
 lint: install

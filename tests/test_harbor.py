@@ -20,12 +20,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sandbox.harbor import podman
 from sandbox.harbor.backend import harbor_python, trial_outcome
 from sandbox.harbor.protocol import TrialReply
 from sandbox.harbor.tasks import load_harbor_tasks, task_dirs
 from sandbox.state import StateFile
 from sandbox.tasks import TaskFileError
 from tests.support.gateway import ADMIN_KEY
+from tests.support.images import base_image_fixture  # noqa: F401 (the base_image fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "harbor"
@@ -132,8 +134,9 @@ def rollouts(gateway, tmp_path: Path, tasks: Path, agent: str, *extra: str
 
 
 @needs_harbor
-def test_oracle_scores_and_infrastructure_failure_is_unscorable(gateway, tmp_path):
-    out, states, trials = rollouts(gateway, tmp_path, EXAMPLES, "oracle")
+def test_oracle_scores_and_infrastructure_failure_is_unscorable(gateway, vllm_server, tmp_path):
+    out, states, trials = rollouts(gateway, tmp_path, EXAMPLES, "oracle", "--model",
+                                   vllm_server.model)
     hello = states["hello-world"]
     assert (hello["status"], hello["reward"]) == ("finished", 1.0)
     assert hello["metrics"]["isolation"] == "bwrap"
@@ -154,18 +157,19 @@ def test_oracle_scores_and_infrastructure_failure_is_unscorable(gateway, tmp_pat
 
 
 @needs_harbor
-def test_nop_scores_zero(gateway, tmp_path):
-    _, states, _ = rollouts(gateway, tmp_path, EXAMPLES / "hello-world", "nop")
+def test_nop_scores_zero(gateway, vllm_server, tmp_path):
+    _, states, _ = rollouts(gateway, tmp_path, EXAMPLES / "hello-world", "nop", "--model",
+                            vllm_server.model)
     assert (states["hello-world"]["status"], states["hello-world"]["reward"]) == (
         "finished", 0.0)
 
 
 @needs_harbor
-def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, tmp_path):
+def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, vllm_server, tmp_path):
     """The trial's agent phase calls the model through the gateway with the rollout's key
     (recorded with the engine's ids); it cannot use the admin API or reach Postgres, holds no
     other secret, and the verifier's environment has no key. The task's memory_mb holds."""
-    _, states, _ = rollouts(gateway, tmp_path, FIXTURES, "oracle")
+    _, states, _ = rollouts(gateway, tmp_path, FIXTURES, "oracle", "--model", vllm_server.model)
     assert states["memory-capped"]["reward"] == 0.0
     probe = states["probe"]
     found = probe["metrics"]["harbor_rewards"]
@@ -268,32 +272,20 @@ def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, a
     assert stats["lost_tokens"] == 0 and stats["trained_tokens"] > 0, stats
 
 
-def _podman_ready() -> str | None:
-    """Why podman cannot run a trial here, or None. It needs podman (with runc and lowered
-    default ulimits in containers.conf on these machines), podman-compose >= 1.6 and the
-    hello-world task's base image in local storage: no image registry is reachable."""
-    import shutil
-
-    if shutil.which("podman") is None:
-        return "podman is not installed"
-    if shutil.which("podman-compose") is None:
-        return "podman-compose (>= 1.6, from PyPI) is not installed"
-    image = subprocess.run(["podman", "image", "exists", "debian:bookworm-slim"])
-    if image.returncode != 0:
-        return "no local debian:bookworm-slim image (podman import one; no registry here)"
-    return None
-
-
-PODMAN_MISSING = _podman_ready()
+PODMAN_MISSING = podman.missing(harbor_python())
 
 
 @needs_harbor
 @pytest.mark.skipif(PODMAN_MISSING is not None,
                     reason=f"podman cannot run Harbor trials here: {PODMAN_MISSING}")
-def test_podman_environment_passes_through(gateway, tmp_path):
-    """Opt-in: where podman works, the same task on Harbor's podman backend scores the same."""
+def test_podman_environment_passes_through(gateway, vllm_server, base_image, tmp_path,
+                                          monkeypatch):
+    """Opt-in: where podman works, the same task on Harbor's podman backend scores the same.
+    No registry is reachable: rolltap's base image stands in for the task's debian image."""
+    monkeypatch.setenv("CONTAINERS_CONF", podman.CONTAINERS_CONF)
+    podman.stand_in_slim(base_image)
     _, states, _ = rollouts(gateway, tmp_path, EXAMPLES / "hello-world", "oracle",
-                            "--environment", "podman")
+                            "--environment", "podman", "--model", vllm_server.model)
     hello = states["hello-world"]
     assert (hello["status"], hello["reward"]) == ("finished", 1.0)
     assert hello["metrics"]["isolation"] == "harbor"

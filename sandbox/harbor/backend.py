@@ -127,9 +127,14 @@ class HarborBackend:
                 return self._worker
             self.check()
             # Nothing of the runner's environment (the admin key) reaches Harbor or its agents.
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.path.expanduser(
-                "~"), "PYTHONPATH": REPO, "HARBOR_TELEMETRY": "0",
-                "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LANG": "C.UTF-8"}
+            # Harbor's podman environment runs podman-compose from Harbor's venv by name, and
+            # podman reads its settings (containers.conf) from CONTAINERS_CONF.
+            path = os.pathsep.join([os.path.dirname(self.python),
+                                    os.environ.get("PATH", "/usr/bin:/bin")])
+            env = {"PATH": path, "HOME": os.path.expanduser("~"), "PYTHONPATH": REPO,
+                   "HARBOR_TELEMETRY": "0", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+                   "LANG": "C.UTF-8", **{k: os.environ[k] for k in ("CONTAINERS_CONF",)
+                                          if k in os.environ}}
             worker = await asyncio.create_subprocess_exec(
                 self.python, "-m", "sandbox.harbor.worker", stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, env=env, limit=1 << 24)
