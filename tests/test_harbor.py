@@ -12,20 +12,24 @@ reach, whether the verifier saw the key, a memory cap).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sandbox import images
 from sandbox.harbor.backend import harbor_python, trial_outcome
 from sandbox.harbor.protocol import TrialReply
 from sandbox.harbor.tasks import load_harbor_tasks, task_dirs
 from sandbox.state import StateFile
 from sandbox.tasks import TaskFileError
 from tests.support.gateway import ADMIN_KEY
+from tests.support.images import base_image_fixture  # noqa: F401 (the base_image fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "harbor"
@@ -112,11 +116,17 @@ def test_a_directory_without_a_harbor_harness_says_what_to_do(capsys):
 # ---- through the gateway --------------------------------------------------------------------
 
 
-def rollouts(gateway, tmp_path: Path, tasks: Path, agent: str, *extra: str
-             ) -> tuple[str, dict[str, dict], Path]:
+def rollouts(gateway, tmp_path: Path, tasks: Path, agent: str, *extra: str,
+             rootfs: str = "host") -> tuple[str, dict[str, dict], Path]:
     """Runs the CLI as a user would; returns its output, each task's rollout state at the
-    gateway (one rollout per task), and the trials directory."""
+    gateway (one rollout per task), and the trials directory. The example tasks' Dockerfiles
+    are FROM debian:bookworm-slim, which no registry here provides: on the bwrap environment
+    they run on the host's system directories unless `rootfs="image"`."""
     state, trials = tmp_path / f"{agent}.jsonl", tmp_path / f"trials-{agent}"
+    if "--environment" not in extra:
+        extra = (*extra, "--environment-kwarg", f"rootfs={rootfs}")
+    if "--model" not in extra:  # the runner's preflight wants a model the engine serves
+        extra = (*extra, "--model", gateway.admin.get("/admin/models").json()["models"][0])
     argv = [sys.executable, "-m", "sandbox.cli", str(tasks), "--harness", f"harbor:{agent}",
             "--group-size", "1", "--concurrency", "4", "--gateway", gateway.url,
             "--state", str(state), "--trials-dir", str(trials), *extra]
@@ -204,6 +214,7 @@ async def test_ctrl_c_stops_the_trial_and_its_sandbox(tmp_path):
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "sandbox.cli", str(task.parent), "--harness", "harbor:oracle",
             "--group-size", "1", "--gateway", api.url, "--trials-dir", str(tmp_path / "t"),
+            "--environment-kwarg", "rootfs=host",
             cwd=REPO, env={**os.environ, "ROLLTAP_ADMIN_KEY": STAND_IN_KEY},
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
 
@@ -316,3 +327,72 @@ def test_terminus_2_keeps_its_tmux_session_across_execs(gateway, vllm_server, tm
     # The pane captured after the last turn is the shell the setup exec started in tmux.
     (pane,) = trials.glob("hello-world__*/agent/terminus_2.pane")
     assert "root@sandbox:/app#" in pane.read_text()
+
+
+# A task image built from its Dockerfile: the build context's file, the RUN step's output and
+# the base image's marker are in the sandbox; a file only the host has is not.
+IMAGE_CHECKS = """#!/bin/bash
+set -e
+[ "$(cat /app/data.txt)" = "from the build context" ]
+[ "$(cat /app/built.txt)" = "made by RUN" ]
+grep -q "rolltap base image" /{marker}
+[ ! -e {host_only} ]
+"""
+
+
+def image_task(root: Path, base: str, host_only: str) -> Path:
+    task = root / "image-task"
+    shutil.copytree(EXAMPLES / "hello-world", task)
+    env = task / "environment"
+    (env / "Dockerfile").write_text(
+        f"FROM {base}\nWORKDIR /app\nCOPY data.txt /app/data.txt\n"
+        f"RUN echo 'made by RUN' > /app/built.txt\n")
+    (env / "data.txt").write_text("from the build context\n")
+    checks = IMAGE_CHECKS.format(marker=images.BASE_MARKER, host_only=host_only)
+    (task / "solution" / "solve.sh").write_text(
+        checks + 'echo "Hello, world!" > /app/hello.txt\n')
+    (task / "tests" / "test.sh").write_text(
+        checks.replace("set -e", "set -e\necho 0 > /logs/verifier/reward.txt")
+        + '[ "$(cat /app/hello.txt)" = "Hello, world!" ]\necho 1 > /logs/verifier/reward.txt\n')
+    missing = root / "missing-image"
+    shutil.copytree(EXAMPLES / "hello-world", missing)
+    shutil.rmtree(missing / "environment")
+    toml = missing / "task.toml"
+    toml.write_text(toml.read_text().replace(
+        "[environment]\n", '[environment]\ndocker_image = "localhost/rolltap-missing:none"\n'))
+    return task
+
+
+@needs_harbor
+def test_bwrap_environment_runs_the_tasks_own_image(gateway, base_image, tmp_path):
+    """The task's Dockerfile (FROM the offline base image, a COPY and a RUN) is built by
+    buildah and is the trial's root: the oracle's solve.sh and the verifier's test.sh see the
+    copied file, the RUN step's output and the image's marker, not the host's bwrap. What the
+    trial wrote stays out of the image cache. An image that is neither stored nor pullable
+    (offline) leaves its trial unscorable, with the cause."""
+    host_only = shutil.which("bwrap")
+    assert host_only
+    task = image_task(tmp_path / "tasks", base_image, host_only)
+    started = time.monotonic()
+    out, states, _ = rollouts(gateway, tmp_path, tmp_path / "tasks", "oracle", rootfs="image")
+    print(f"two image trials (first build included): {time.monotonic() - started:.1f} s")
+    state = states["image-task"]
+    assert (state["status"], state["reward"]) == ("finished", 1.0), (state, out)
+    missing = states["missing-image"]
+    assert (missing["status"], missing["reward"]) == ("failed", None), missing
+    assert "localhost/rolltap-missing:none" in missing["metrics"]["harbor_exception"]
+    assert "rolltap image prepare" in missing["metrics"]["harbor_exception"]
+    built = images.inspect(images.load_build(str(task / "environment")).tag)
+    rootfs = Path(images.Cache().rootfs(built.digest))
+    assert (rootfs / "app" / "built.txt").is_file()
+    assert not (rootfs / "app" / "hello.txt").exists(), "a trial's write reached the cache"
+    # Warm: the image is built and unpacked; one trial's time end to end through the CLI.
+    shutil.rmtree(tmp_path / "tasks" / "missing-image")
+    (tmp_path / "warm").mkdir()
+    started = time.monotonic()
+    _, states, _ = rollouts(gateway, tmp_path / "warm", tmp_path / "tasks", "oracle",
+                            rootfs="image")
+    warm = states["image-task"]
+    print(f"one image trial, warm: {time.monotonic() - started:.1f} s through the CLI; "
+          f"Harbor's phases (s): {warm['metrics'].get('harbor_phases_s')}")
+    assert warm["reward"] == 1.0
