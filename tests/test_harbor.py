@@ -80,6 +80,33 @@ def test_worker_error_is_unscorable():
     assert out.metrics["harbor_error"] == "ValueError: unknown agent"
 
 
+@given(st.lists(st.sampled_from(["/", "/app", "/logs", "/root", "/home/u/work"]), max_size=4),
+       st.integers(1, 1 << 20))
+def test_image_stage_bounds_the_overlay_and_gives_the_trials_root_its_directories(owned, uid):
+    """The Harbor sandbox's root stage: the writable layer on a tmpfs of the trial's size,
+    mounted before anything is written there; the merged root and every owned directory (made
+    first, never through a link) given to the sandbox's uid, and `/` never recursively."""
+    from sandbox import confine
+
+    image = confine.Image("/cache/rootfs", "/tmp/overlay")
+    staged = {"/cache/rootfs": "/tmp/s0", "/tmp/overlay": "/tmp/s1"}
+    lines = confine.stage_script(image, staged, [], size_mb=64, owner=uid,
+                                 owned=owned).splitlines()
+    mount = lines.index("mount -t tmpfs -o size=64m,mode=0700,nosuid,nodev rolltap-overlay "
+                        "/tmp/s1")
+    assert mount < next(i for i, ln in enumerate(lines) if "/tmp/s1/upper" in ln)
+    assert f"chown {uid}:{uid} {confine.STAGED_ROOT}" in lines
+    for path in {p for p in owned if p != "/"}:
+        where = confine.STAGED_ROOT + path
+        give = lines.index(f"chown -R -P {uid}:{uid} {where}")
+        assert lines[give - 1] == f"mkdir -p {where}"
+        assert lines[give - 2].startswith("no_links ") and lines[give - 2].endswith(where)
+    assert f"chown -R -P {uid}:{uid} {confine.STAGED_ROOT}/\n" not in "\n".join(lines) + "\n"
+    # Without them (rolltap's own image sandboxes): neither.
+    plain = confine.stage_script(image, staged, [])
+    assert "tmpfs" not in plain and "chown -R" not in plain
+
+
 def test_task_directories_are_found_by_task_toml(tmp_path):
     assert [d.name for d in task_dirs(str(EXAMPLES))] == [
         "hello-world", "multi-key", "persistent", "unhealthy"]
