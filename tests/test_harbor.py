@@ -423,3 +423,21 @@ def test_bwrap_environment_runs_the_tasks_own_image(gateway, base_image, tmp_pat
     print(f"one image trial, warm: {time.monotonic() - started:.1f} s through the CLI; "
           f"Harbor's phases (s): {warm['metrics'].get('harbor_phases_s')}")
     assert warm["reward"] == 1.0
+
+
+@needs_harbor
+def test_image_sandbox_reaches_only_the_gateway_with_its_key(gateway, base_image, tmp_path):
+    """The probe task on its own image (FROM the base image): the gateway forwarder (the
+    host's socat, run by the host's loader) serves the rollout's key and nothing else, as on
+    the host's directories."""
+    task = tmp_path / "tasks" / "probe"
+    shutil.copytree(FIXTURES / "probe", task)
+    (task / "environment" / "Dockerfile").write_text(f"FROM {base_image}\nWORKDIR /app\n")
+    _, states, _ = rollouts(gateway, tmp_path, tmp_path / "tasks", "oracle", rootfs="image")
+    probe = states["probe"]
+    found = probe["metrics"]["harbor_rewards"]
+    assert found["admin_status"] in (401.0, 403.0), found
+    assert {k: v for k, v in found.items() if k != "admin_status"} == {
+        "verifier_saw_key": 0.0, "chat_status": 200.0, "postgres_reached": 0.0}
+    assert probe["reward"] == 1.0
+    assert [c["status"] for c in gateway.calls(probe["rollout_id"])] == ["ok"]
