@@ -197,6 +197,19 @@ def test_nop_scores_zero(gateway, tmp_path):
         "finished", 0.0)
 
 
+def probe_reached_only_the_gateway(gateway, probe: dict) -> list[dict]:
+    """The probe task's findings (tests/harbor/probe): one model call with the key, the admin
+    API refused, no Postgres, no other secret, no key in the verifier. Returns its calls."""
+    found = probe["metrics"]["harbor_rewards"]
+    assert found["admin_status"] in (401.0, 403.0), found
+    assert {k: v for k, v in found.items() if k != "admin_status"} == {
+        "verifier_saw_key": 0.0, "chat_status": 200.0, "postgres_reached": 0.0}
+    assert probe["reward"] == 1.0
+    calls = gateway.calls(probe["rollout_id"])
+    assert [c["status"] for c in calls] == ["ok"]
+    return calls
+
+
 @needs_harbor
 def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, tmp_path):
     """The trial's agent phase calls the model through the gateway with the rollout's key
@@ -205,13 +218,7 @@ def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, tmp_path):
     _, states, _ = rollouts(gateway, tmp_path, FIXTURES, "oracle")
     assert states["memory-capped"]["reward"] == 0.0
     probe = states["probe"]
-    found = probe["metrics"]["harbor_rewards"]
-    assert found["admin_status"] in (401.0, 403.0), found
-    assert {k: v for k, v in found.items() if k != "admin_status"} == {
-        "verifier_saw_key": 0.0, "chat_status": 200.0, "postgres_reached": 0.0}
-    assert probe["reward"] == 1.0
-    calls = gateway.calls(probe["rollout_id"])
-    assert [c["status"] for c in calls] == ["ok"]
+    calls = probe_reached_only_the_gateway(gateway, probe)
     assert calls[0]["prompt_ids"] and calls[0]["completion_ids"]
     assert len(calls[0]["logprobs"]) == len(calls[0]["completion_ids"])
     # Merged into a trace as any rollout is (a toolless call: auxiliary, not trained).
@@ -434,10 +441,4 @@ def test_image_sandbox_reaches_only_the_gateway_with_its_key(gateway, base_image
     shutil.copytree(FIXTURES / "probe", task)
     (task / "environment" / "Dockerfile").write_text(f"FROM {base_image}\nWORKDIR /app\n")
     _, states, _ = rollouts(gateway, tmp_path, tmp_path / "tasks", "oracle", rootfs="image")
-    probe = states["probe"]
-    found = probe["metrics"]["harbor_rewards"]
-    assert found["admin_status"] in (401.0, 403.0), found
-    assert {k: v for k, v in found.items() if k != "admin_status"} == {
-        "verifier_saw_key": 0.0, "chat_status": 200.0, "postgres_reached": 0.0}
-    assert probe["reward"] == 1.0
-    assert [c["status"] for c in gateway.calls(probe["rollout_id"])] == ["ok"]
+    probe_reached_only_the_gateway(gateway, states["probe"])
