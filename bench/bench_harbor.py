@@ -32,8 +32,11 @@ async def _trials(environment: str, print_fn) -> list[float]:
     (task,) = load_harbor_tasks(str(TASK))
     harness = Harness(preset="harbor:oracle", model="none")
     with tempfile.TemporaryDirectory() as trials_dir:
+        # hello-world is FROM debian:bookworm-slim, which no registry here provides.
+        kwargs = {"rootfs": "host"} if environment == "bwrap" else {}
         backend = HarborBackend("oracle", model=None, gateway=NO_GATEWAY,
-                                environment=environment, trials_dir=trials_dir)
+                                environment=environment, trials_dir=trials_dir,
+                                environment_kwargs=kwargs)
         started = time.monotonic()
         await backend.start()
         print_fn(f"worker start (python + import harbor): {time.monotonic() - started:.2f} s "

@@ -439,7 +439,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         # Once, before the first rollout: a wrong address or key would fail every one of them.
-        asyncio.run(check_gateway(args.gateway, admin_key, args.model))
+        asyncio.run(check_gateway(args.gateway, admin_key, args.model,
+                                  provider_prefix=harbor_agent is not None))
         return asyncio.run(_run(args, tasks, harness, admin_key, backend))
     except PreflightError as exc:
         print(f"rolltap rollouts: {exc}", file=sys.stderr)

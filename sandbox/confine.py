@@ -220,13 +220,22 @@ mounts rolltap's files; remove it from the image" >&2
 
 
 def stage_script(image: Image, staged: Mapping[str, str],
-                 points: Sequence[tuple[str, bool]]) -> str:
+                 points: Sequence[tuple[str, bool]], *, size_mb: int | None = None,
+                 owner: int | None = None, owned: Sequence[str] = ()) -> str:
     """The root stage's shell step for an image: the overlay at STAGED_ROOT, its root owned and
     moded as the image's (the upper directory's attributes are the merged root's), the mount
-    points made, and every directory above one searchable (not listable) by the sandbox."""
+    points made, and every directory above one searchable (not listable) by the sandbox.
+
+    For a sandbox whose root is the image's root user (Harbor's): `size_mb` puts the overlay's
+    writable layer on a tmpfs of that size in the stage's own mount namespace (it has no
+    bounded area of its own), and `owner` gets the root directory and the `owned` directories
+    (made, then given recursively: copied up, the image's other files stay the image's)."""
     lower, overlay = staged[image.rootfs], staged[image.overlay]
     q = shlex.quote
-    lines = ["set -e", REFUSE_LINKS, f"mkdir -p {STAGED_ROOT} {overlay}/upper {overlay}/work",
+    bound = ([f"mount -t tmpfs -o size={size_mb}m,mode=0700,nosuid,nodev rolltap-overlay "
+              f"{overlay}"] if size_mb is not None else [])
+    lines = ["set -e", REFUSE_LINKS, *bound,
+             f"mkdir -p {STAGED_ROOT} {overlay}/upper {overlay}/work",
              f"chown --reference={lower} {overlay}/upper",
              f"chmod --reference={lower} {overlay}/upper",
              f"mount -t overlay rolltap-image -o nodev,nosuid,lowerdir={lower},"
@@ -241,6 +250,13 @@ def stage_script(image: Image, staged: Mapping[str, str],
                      f"mkdir -p {q(STAGED_ROOT + posixpath.dirname(path))}; "
                      f"[ -e {where} ] || : > {where}")
         lines += [f"chmod o+x {q(STAGED_ROOT + p)}" for p in ancestors]
+    if owner is not None:
+        lines.append(f"chown {owner}:{owner} {STAGED_ROOT}")
+        for path in (p for p in owned if p.strip("/")):
+            where = q(STAGED_ROOT + path)
+            lines += ["no_links " + " ".join(q(STAGED_ROOT + p)
+                                             for p in [*_ancestors(path), path]),
+                      f"mkdir -p {where}", f"chown -R -P {owner}:{owner} {where}"]
     return "\n".join([*lines, 'exec "$@"'])
 
 

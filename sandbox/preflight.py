@@ -21,9 +21,12 @@ class _Models(msgspec.Struct):
     upstreams: list[str] = []
 
 
-def model_problem(gateway: str, model: str, served: list[str], upstreams: list[str]) -> str | None:
-    """Why `model` cannot be asked for through `gateway`, or None when it can (pure)."""
-    if model in served:
+def model_problem(gateway: str, model: str, served: list[str], upstreams: list[str],
+                  provider_prefix: bool = False) -> str | None:
+    """Why `model` cannot be asked for through `gateway`, or None when it can (pure). With
+    `provider_prefix` (Harbor agents: `openai/NAME`, which the agent strips), the name after
+    the first `/` will do too."""
+    if model in served or (provider_prefix and model.partition("/")[2] in served):
         return None
     if not served:
         where = ", ".join(upstreams) or "none configured"
@@ -34,7 +37,7 @@ def model_problem(gateway: str, model: str, served: list[str], upstreams: list[s
 
 
 async def check_gateway(url: str, admin_key: str, model: str,
-                        timeout_s: float = TIMEOUT_S) -> None:
+                        timeout_s: float = TIMEOUT_S, provider_prefix: bool = False) -> None:
     """Raise PreflightError unless the gateway at `url` is ready for rollouts of `model`."""
     root = url.rstrip("/")
     headers = {"Authorization": f"Bearer {admin_key}"}
@@ -58,6 +61,6 @@ async def check_gateway(url: str, admin_key: str, model: str,
     if listing is None:
         raise PreflightError(f"{root} answered GET /admin/models with HTTP {status}, not as a "
                              "rolltap gateway does: check --gateway (the gateway's root URL)")
-    problem = model_problem(root, model, listing.models, listing.upstreams)
+    problem = model_problem(root, model, listing.models, listing.upstreams, provider_prefix)
     if problem:
         raise PreflightError(problem)

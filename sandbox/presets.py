@@ -333,6 +333,13 @@ def preset_for(harness: Harness) -> Preset:
         ) from None
 
 
+def side_calls_for(harness: Harness) -> str:
+    """The preset's side-call rule; "auto" for a harness no preset describes (`harbor:AGENT`,
+    whose agent the Harbor backend runs)."""
+    preset = PRESETS.get(harness.preset)
+    return preset.side_calls if preset is not None else "auto"
+
+
 def harness_protocol(harness: Harness) -> Protocol:
     """The protocol, and so the gateway base URL, the harness uses."""
     fixed = preset_for(harness).protocol

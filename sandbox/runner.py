@@ -35,7 +35,7 @@ import msgspec
 
 from sandbox.backends.base import Backend, CrashReward, SandboxRequest, SandboxResult
 from sandbox.gateway_client import AdminClient, GatewayError, RolloutInfo
-from sandbox.presets import PRESETS, Harness
+from sandbox.presets import Harness, side_calls_for
 from sandbox.state import FinishedRollout, Key, RunHeader, StateFile
 from sandbox.summary import trained_tokens
 from sandbox.tasks import Task
@@ -44,13 +44,6 @@ from sandbox.tasks import Task
 GATEWAY_MARGIN_S = 120.0
 BACKLOG_POLL_S = 1.0  # how often a full backlog is looked at again
 INTERRUPT_FINISH_TIMEOUT_S = 10.0
-
-
-def _side_calls(harness: Harness) -> str:
-    """POST /admin/rollouts `side_calls` for a harness. Harbor's agents (`harbor:NAME`) are no
-    rolltap preset: the gateway's own rule applies to them."""
-    preset = PRESETS.get(harness.preset)
-    return "auto" if preset is None else preset.side_calls
 
 
 class WorkItem(msgspec.Struct, frozen=True):
@@ -264,7 +257,7 @@ class _Run:
                 group_id=item.group_id,
                 metadata=_metadata(item, self.harness, self.run_id),
                 timeout_s=gateway_timeout(item.task),
-                side_calls=_side_calls(self.harness),
+                side_calls=side_calls_for(self.harness),
             )
         except GatewayError as exc:
             self.fail(item, f"create: {exc}")

@@ -12,14 +12,17 @@ reach, whether the verifier saw the key, a memory cap).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sandbox import images
 from sandbox.harbor import podman
 from sandbox.harbor.backend import harbor_python, trial_outcome
 from sandbox.harbor.protocol import TrialReply
@@ -78,6 +81,33 @@ def test_worker_error_is_unscorable():
     assert out.metrics["harbor_error"] == "ValueError: unknown agent"
 
 
+@given(st.lists(st.sampled_from(["/", "/app", "/logs", "/root", "/home/u/work"]), max_size=4),
+       st.integers(1, 1 << 20))
+def test_image_stage_bounds_the_overlay_and_gives_the_trials_root_its_directories(owned, uid):
+    """The Harbor sandbox's root stage: the writable layer on a tmpfs of the trial's size,
+    mounted before anything is written there; the merged root and every owned directory (made
+    first, never through a link) given to the sandbox's uid, and `/` never recursively."""
+    from sandbox import confine
+
+    image = confine.Image("/cache/rootfs", "/tmp/overlay")
+    staged = {"/cache/rootfs": "/tmp/s0", "/tmp/overlay": "/tmp/s1"}
+    lines = confine.stage_script(image, staged, [], size_mb=64, owner=uid,
+                                 owned=owned).splitlines()
+    mount = lines.index("mount -t tmpfs -o size=64m,mode=0700,nosuid,nodev rolltap-overlay "
+                        "/tmp/s1")
+    assert mount < next(i for i, ln in enumerate(lines) if "/tmp/s1/upper" in ln)
+    assert f"chown {uid}:{uid} {confine.STAGED_ROOT}" in lines
+    for path in {p for p in owned if p != "/"}:
+        where = confine.STAGED_ROOT + path
+        give = lines.index(f"chown -R -P {uid}:{uid} {where}")
+        assert lines[give - 1] == f"mkdir -p {where}"
+        assert lines[give - 2].startswith("no_links ") and lines[give - 2].endswith(where)
+    assert f"chown -R -P {uid}:{uid} {confine.STAGED_ROOT}/\n" not in "\n".join(lines) + "\n"
+    # Without them (rolltap's own image sandboxes): neither.
+    plain = confine.stage_script(image, staged, [])
+    assert "tmpfs" not in plain and "chown -R" not in plain
+
+
 def test_task_directories_are_found_by_task_toml(tmp_path):
     assert [d.name for d in task_dirs(str(EXAMPLES))] == [
         "hello-world", "multi-key", "persistent", "unhealthy"]
@@ -114,11 +144,17 @@ def test_a_directory_without_a_harbor_harness_says_what_to_do(capsys):
 # ---- through the gateway --------------------------------------------------------------------
 
 
-def rollouts(gateway, tmp_path: Path, tasks: Path, agent: str, *extra: str
-             ) -> tuple[str, dict[str, dict], Path]:
+def rollouts(gateway, tmp_path: Path, tasks: Path, agent: str, *extra: str,
+             rootfs: str = "host") -> tuple[str, dict[str, dict], Path]:
     """Runs the CLI as a user would; returns its output, each task's rollout state at the
-    gateway (one rollout per task), and the trials directory."""
+    gateway (one rollout per task), and the trials directory. The example tasks' Dockerfiles
+    are FROM debian:bookworm-slim, which no registry here provides: on the bwrap environment
+    they run on the host's system directories unless `rootfs="image"`."""
     state, trials = tmp_path / f"{agent}.jsonl", tmp_path / f"trials-{agent}"
+    if "--environment" not in extra:
+        extra = (*extra, "--environment-kwarg", f"rootfs={rootfs}")
+    if "--model" not in extra:  # the runner's preflight wants a model the engine serves
+        extra = (*extra, "--model", gateway.admin.get("/admin/models").json()["models"][0])
     argv = [sys.executable, "-m", "sandbox.cli", str(tasks), "--harness", f"harbor:{agent}",
             "--group-size", "1", "--concurrency", "4", "--gateway", gateway.url,
             "--state", str(state), "--trials-dir", str(trials), *extra]
@@ -164,6 +200,19 @@ def test_nop_scores_zero(gateway, vllm_server, tmp_path):
         "finished", 0.0)
 
 
+def probe_reached_only_the_gateway(gateway, probe: dict) -> list[dict]:
+    """The probe task's findings (tests/harbor/probe): one model call with the key, the admin
+    API refused, no Postgres, no other secret, no key in the verifier. Returns its calls."""
+    found = probe["metrics"]["harbor_rewards"]
+    assert found["admin_status"] in (401.0, 403.0), found
+    assert {k: v for k, v in found.items() if k != "admin_status"} == {
+        "verifier_saw_key": 0.0, "chat_status": 200.0, "postgres_reached": 0.0}
+    assert probe["reward"] == 1.0
+    calls = gateway.calls(probe["rollout_id"])
+    assert [c["status"] for c in calls] == ["ok"]
+    return calls
+
+
 @needs_harbor
 def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, vllm_server, tmp_path):
     """The trial's agent phase calls the model through the gateway with the rollout's key
@@ -172,13 +221,7 @@ def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, vllm_server,
     _, states, _ = rollouts(gateway, tmp_path, FIXTURES, "oracle", "--model", vllm_server.model)
     assert states["memory-capped"]["reward"] == 0.0
     probe = states["probe"]
-    found = probe["metrics"]["harbor_rewards"]
-    assert found["admin_status"] in (401.0, 403.0), found
-    assert {k: v for k, v in found.items() if k != "admin_status"} == {
-        "verifier_saw_key": 0.0, "chat_status": 200.0, "postgres_reached": 0.0}
-    assert probe["reward"] == 1.0
-    calls = gateway.calls(probe["rollout_id"])
-    assert [c["status"] for c in calls] == ["ok"]
+    calls = probe_reached_only_the_gateway(gateway, probe)
     assert calls[0]["prompt_ids"] and calls[0]["completion_ids"]
     assert len(calls[0]["logprobs"]) == len(calls[0]["completion_ids"])
     # Merged into a trace as any rollout is (a toolless call: auxiliary, not trained).
@@ -208,6 +251,7 @@ async def test_ctrl_c_stops_the_trial_and_its_sandbox(tmp_path):
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "sandbox.cli", str(task.parent), "--harness", "harbor:oracle",
             "--group-size", "1", "--gateway", api.url, "--trials-dir", str(tmp_path / "t"),
+            "--environment-kwarg", "rootfs=host",
             cwd=REPO, env={**os.environ, "ROLLTAP_ADMIN_KEY": STAND_IN_KEY},
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
 
@@ -308,3 +352,84 @@ def test_terminus_2_keeps_its_tmux_session_across_execs(gateway, vllm_server, tm
     # The pane captured after the last turn is the shell the setup exec started in tmux.
     (pane,) = trials.glob("hello-world__*/agent/terminus_2.pane")
     assert "root@sandbox:/app#" in pane.read_text()
+
+
+# A task image built from its Dockerfile: the build context's file, the RUN step's output and
+# the base image's marker are in the sandbox; a file only the host has is not.
+IMAGE_CHECKS = """#!/bin/bash
+set -e
+[ "$(cat /app/data.txt)" = "from the build context" ]
+[ "$(cat /app/built.txt)" = "made by RUN" ]
+grep -q "rolltap base image" /{marker}
+[ ! -e {host_only} ]
+"""
+
+
+def image_task(root: Path, base: str, host_only: str) -> Path:
+    task = root / "image-task"
+    shutil.copytree(EXAMPLES / "hello-world", task)
+    env = task / "environment"
+    (env / "Dockerfile").write_text(
+        f"FROM {base}\nWORKDIR /app\nCOPY data.txt /app/data.txt\n"
+        f"RUN echo 'made by RUN' > /app/built.txt\n")
+    (env / "data.txt").write_text("from the build context\n")
+    checks = IMAGE_CHECKS.format(marker=images.BASE_MARKER, host_only=host_only)
+    (task / "solution" / "solve.sh").write_text(
+        checks + 'echo "Hello, world!" > /app/hello.txt\n')
+    (task / "tests" / "test.sh").write_text(
+        checks.replace("set -e", "set -e\necho 0 > /logs/verifier/reward.txt")
+        + '[ "$(cat /app/hello.txt)" = "Hello, world!" ]\necho 1 > /logs/verifier/reward.txt\n')
+    missing = root / "missing-image"
+    shutil.copytree(EXAMPLES / "hello-world", missing)
+    shutil.rmtree(missing / "environment")
+    toml = missing / "task.toml"
+    toml.write_text(toml.read_text().replace(
+        "[environment]\n", '[environment]\ndocker_image = "localhost/rolltap-missing:none"\n'))
+    return task
+
+
+@needs_harbor
+def test_bwrap_environment_runs_the_tasks_own_image(gateway, base_image, tmp_path):
+    """The task's Dockerfile (FROM the offline base image, a COPY and a RUN) is built by
+    buildah and is the trial's root: the oracle's solve.sh and the verifier's test.sh see the
+    copied file, the RUN step's output and the image's marker, not the host's bwrap. What the
+    trial wrote stays out of the image cache. An image that is neither stored nor pullable
+    (offline) leaves its trial unscorable, with the cause."""
+    host_only = shutil.which("bwrap")
+    assert host_only
+    task = image_task(tmp_path / "tasks", base_image, host_only)
+    started = time.monotonic()
+    out, states, _ = rollouts(gateway, tmp_path, tmp_path / "tasks", "oracle", rootfs="image")
+    print(f"two image trials (first build included): {time.monotonic() - started:.1f} s")
+    state = states["image-task"]
+    assert (state["status"], state["reward"]) == ("finished", 1.0), (state, out)
+    missing = states["missing-image"]
+    assert (missing["status"], missing["reward"]) == ("failed", None), missing
+    assert "localhost/rolltap-missing:none" in missing["metrics"]["harbor_exception"]
+    assert "rolltap image prepare" in missing["metrics"]["harbor_exception"]
+    built = images.inspect(images.load_build(str(task / "environment")).tag)
+    rootfs = Path(images.Cache().rootfs(built.digest))
+    assert (rootfs / "app" / "built.txt").is_file()
+    assert not (rootfs / "app" / "hello.txt").exists(), "a trial's write reached the cache"
+    # Warm: the image is built and unpacked; one trial's time end to end through the CLI.
+    shutil.rmtree(tmp_path / "tasks" / "missing-image")
+    (tmp_path / "warm").mkdir()
+    started = time.monotonic()
+    _, states, _ = rollouts(gateway, tmp_path / "warm", tmp_path / "tasks", "oracle",
+                            rootfs="image")
+    warm = states["image-task"]
+    print(f"one image trial, warm: {time.monotonic() - started:.1f} s through the CLI; "
+          f"Harbor's phases (s): {warm['metrics'].get('harbor_phases_s')}")
+    assert warm["reward"] == 1.0
+
+
+@needs_harbor
+def test_image_sandbox_reaches_only_the_gateway_with_its_key(gateway, base_image, tmp_path):
+    """The probe task on its own image (FROM the base image): the gateway forwarder (the
+    host's socat, run by the host's loader) serves the rollout's key and nothing else, as on
+    the host's directories."""
+    task = tmp_path / "tasks" / "probe"
+    shutil.copytree(FIXTURES / "probe", task)
+    (task / "environment" / "Dockerfile").write_text(f"FROM {base_image}\nWORKDIR /app\n")
+    _, states, _ = rollouts(gateway, tmp_path, tmp_path / "tasks", "oracle", rootfs="image")
+    probe_reached_only_the_gateway(gateway, states["probe"])

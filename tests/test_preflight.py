@@ -118,6 +118,15 @@ def test_a_model_problem_exactly_when_no_replica_serves_the_model(model, served,
         assert all(repr(name) in problem for name in served)  # what to ask for instead
 
 
+@given(st.text(min_size=1), st.text(min_size=1), st.lists(st.text(min_size=1), max_size=3))
+def test_a_harbor_agents_provider_prefix_is_not_part_of_the_served_name(provider, name, served):
+    model = f"{provider}/{name}"
+    problem = model_problem("http://gw", model, served, [], provider_prefix=True)
+    assert (problem is None) == (model in served or model.partition("/")[2] in served)
+    # Other harnesses send the name as given: the prefix counts there.
+    assert model_problem("http://gw", model, [model.partition("/")[2]], []) is not None
+
+
 _SHAPE = st.fixed_dictionaries({name: st.integers(1, 4) for name in preflight._SHAPE_FIELDS})
 
 

@@ -22,8 +22,19 @@ What the sandbox is, as the README's Isolation section promises for rolltap's ow
 - no environment of the worker's: each exec starts from an empty environment plus what Harbor
   passes (the rollout key only in agent-phase execs, as Harbor scopes AgentConfig.env).
 
-The task's Dockerfile is not built: the sandbox runs on the host's system directories. Tasks
-that need their image use a container backend (`--environment podman`).
+A task with an image (`[environment].docker_image`, else `environment/Dockerfile`) runs on it
+(`rootfs=image`, the default): sandbox/images.py finds, pulls or builds it (buildah runs the
+Dockerfile's COPY and RUN steps) and holds its unpacked root for the trial, and a root stage
+(confine.py's, as for rolltap's own image sandboxes) mounts it as `/` under an overlay whose
+writable layer is a tmpfs of the trial's disk size in the stage's own mount namespace: what a
+trial writes reaches neither the image cache nor another trial, and vanishes with the sandbox.
+The sandbox's root owns `/` and the task's workdir, /logs and /root (copied up); the rest of the
+image stays the image's root's, read-only to it, as the host's system directories are. The
+host's system directories are then at HOST_ROOT, for socat, run with the host's loader
+(hostexec.py). An image that cannot be had (offline and not in containers-storage, a failed
+build) fails the environment's start: an infrastructure failure, never a wrong answer.
+`rootfs=host` (environment kwarg) runs on the host's system directories instead, as a task
+without an image always does.
 Files move in and out as tar streams through an exec, never through /proc/PID/root, so a
 symlink the agent planted cannot point a copy at the host.
 """
@@ -36,6 +47,7 @@ import io
 import json
 import os
 import shlex
+import shutil
 import signal
 import tarfile
 import tempfile
@@ -44,8 +56,27 @@ from pathlib import Path, PurePosixPath
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities
 
+from sandbox import hostexec, images
 from sandbox.cgroup import Cgroup
-from sandbox.confine import GATEWAY_SOCKET, host_system, new_uid, own_uids, ro_binds, tools
+from sandbox.confine import (
+    GATEWAY_SOCKET,
+    HOST_ROOT,
+    NO_IMAGE_WITHOUT_ROOT,
+    RUN_DIR,
+    STAGED_ROOT,
+    Image,
+    Phase,
+    View,
+    host_system,
+    mount_points,
+    new_uid,
+    outer_args,
+    own_uids,
+    ro_binds,
+    stage_plan,
+    stage_script,
+    tools,
+)
 from sandbox.limits import make_preexec
 from sandbox.relay import Relay, inside_port
 
@@ -57,7 +88,7 @@ PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STARTUP_S = 30.0
 # Waits for socat's listening socket in the sandbox's own /proc/net/tcp.
 FORWARDER = (
-    "setsid socat TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:{sock} "
+    "setsid {socat} TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:{sock} "
     "</dev/null >/dev/null 2>&1 & "
     "for i in $(seq 1000); do grep -q ':{hex} 00000000:0000 0A' /proc/net/tcp && exit 0; "
     "sleep 0.01; done; echo 'rolltap: the gateway forwarder did not start' >&2; exit 125"
@@ -74,32 +105,61 @@ def exec_argv(pid: int, command: str, cwd: str, env: dict[str, str],
             "bash", "-c", 'cd -- "$0" && eval "$1"', cwd, command]
 
 
+def image_source(docker_image: str | None, environment_dir: Path) -> tuple[str | None, str | None]:
+    """(reference, Dockerfile directory) of a task's image, as Harbor's docker backend takes
+    it: a prebuilt `docker_image` first, else `environment/Dockerfile`; (None, None) without
+    either."""
+    if docker_image:
+        return docker_image, None
+    if (environment_dir / "Dockerfile").is_file():
+        return None, str(environment_dir)
+    return None, None
+
+
 def sandbox_argv(bwrap: str, disk_mb: int, socket: str | None, info_fd: int,
-                 read_only: tuple[str, ...] = ()) -> list[str]:
+                 read_only: tuple[str, ...] = (),
+                 staged: dict[str, str] | None = None) -> list[str]:
     """The long-lived sandbox: bwrap's init as PID 1 and `sleep infinity` to keep it, after a
     line on stdout that says its filesystem is in place (bwrap reports the PID on `info_fd`
-    before it has built the root). Pure."""
+    before it has built the root). With `staged` (where the root stage put each host source),
+    `/` is the stage's image overlay and the host's system directories are under HOST_ROOT.
+    Pure."""
+
+    def src(path: str) -> str:
+        return staged[path] if staged is not None else path
+
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--uid", "0", "--gid", "0", "--hostname", "sandbox",
-            "--size", str(disk_mb << 20), "--tmpfs", "/", *host_system(),
-            "--proc", "/proc", "--dev", "/dev", "--dir", "/tmp", "--dir", "/root",
-            "--info-fd", str(info_fd)]
+            "--uid", "0", "--gid", "0", "--hostname", "sandbox"]
+    args += (["--size", str(disk_mb << 20), "--tmpfs", "/", *host_system()] if staged is None
+             else ["--bind", STAGED_ROOT, "/", "--tmpfs", RUN_DIR, *host_system(HOST_ROOT)])
+    args += ["--proc", "/proc", "--dev", "/dev", "--dir", "/tmp", "--dir", "/root",
+             "--info-fd", str(info_fd)]
     for bind in ro_binds(read_only):
-        args += ["--ro-bind", bind.source, bind.dest]
+        args += ["--ro-bind", src(bind.source), bind.dest]
     if socket is not None:
-        args += ["--ro-bind", socket, GATEWAY_SOCKET]
+        args += ["--ro-bind", src(socket), GATEWAY_SOCKET]
+    if staged is not None:
+        args += ["--remount-ro", RUN_DIR]
     return [*args, "--", "sh", "-c", "echo ready && exec sleep infinity"]
 
 
 class BwrapEnvironment(BaseEnvironment):
     """One persistent bubblewrap sandbox per trial. Kwargs: gateway_url (the gateway the
-    sandbox may reach), disk_mb (its tmpfs root; default 1024), ro_paths (host paths bound
-    read-only at their own paths, e.g. the project's pinned harness CLIs, so that agents find
-    them instead of installing from the network) and path (directories put first on PATH)."""
+    sandbox may reach), disk_mb (its tmpfs root, or its image overlay's writable layer;
+    default 1024), ro_paths (host paths bound read-only at their own paths, e.g. the project's
+    pinned harness CLIs, so that agents find them instead of installing from the network),
+    path (directories put first on PATH) and rootfs (`image`: the task's image when it names
+    one, the default; `host`: the host's system directories)."""
 
     def __init__(self, *args, gateway_url: str | None = None, disk_mb: int | str = 1024,
                  ro_paths: list[str] | str = (), path: list[str] | str = (),
-                 **kwargs) -> None:
+                 rootfs: str = "image", **kwargs) -> None:
+        if rootfs not in ("image", "host"):
+            raise ValueError(f"rootfs={rootfs!r}: give rootfs=image (the task's image) or "
+                             f"rootfs=host (the host's system directories)")
+        self._use_image = rootfs == "image"
+        self._image_hold = contextlib.ExitStack()
+        self._overlay: str | None = None
         self._gateway_url = gateway_url
         self._read_only = tuple(_paths(ro_paths))
         self._path = ":".join([*_paths(path), PATH])
@@ -120,7 +180,42 @@ class BwrapEnvironment(BaseEnvironment):
         return EnvironmentCapabilities(disable_internet=True)
 
     def _validate_definition(self) -> None:
-        pass  # no image to build: the host's system directories are the root filesystem
+        pass  # a task without an image runs on the host's system directories
+
+    async def _image_root(self) -> str | None:
+        """The task's unpacked image, held until stop(); None without one (or with
+        rootfs=host). Raises with what to do when it cannot be had."""
+        ref, dockerfile = image_source(self.task_env_config.docker_image, self.environment_dir)
+        if not self._use_image or (ref is None and dockerfile is None):
+            return None
+        if not own_uids():
+            raise RuntimeError(f"{NO_IMAGE_WITHOUT_ROOT} Or run on the host's system "
+                               f"directories: --environment-kwarg rootfs=host")
+        try:
+            return await asyncio.to_thread(self._image_hold.enter_context,
+                                           images.rootfs_for(ref, dockerfile))
+        except images.ImageError as exc:
+            raise RuntimeError(f"the task's image: {exc}") from None
+
+    def _argv(self, bwrap: str, setpriv: str | None, disk_mb: int, socket: str | None,
+              info_fd: int, rootfs: str | None) -> list[str]:
+        if not own_uids():
+            return sandbox_argv(bwrap, disk_mb, socket, info_fd, self._read_only)
+        uid = new_uid()
+        if rootfs is None:
+            return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
+                    *sandbox_argv(bwrap, disk_mb, socket, info_fd, self._read_only)]
+        self._overlay = tempfile.mkdtemp(prefix="rolltap-harbor-overlay-")
+        image = Image(rootfs, self._overlay)
+        phase = Phase(View(tuple(ro_binds(self._read_only)), gateway_socket=socket,
+                           image=image), uid, "/", ())
+        staged = stage_plan(phase)
+        script = stage_script(image, staged, mount_points(phase, os.path.isdir),
+                              size_mb=disk_mb, owner=uid,
+                              owned=(self._workdir, "/logs", "/root"))
+        return [*outer_args(phase, staged, {self._overlay}, bwrap=bwrap, setpriv=setpriv,
+                            image_step=["/bin/sh", "-c", script, "rolltap-image"]),
+                *sandbox_argv(bwrap, disk_mb, socket, info_fd, self._read_only, staged)]
 
     @property
     def _workdir(self) -> str:
@@ -128,6 +223,7 @@ class BwrapEnvironment(BaseEnvironment):
 
     async def start(self, force_build: bool) -> None:
         bwrap, setpriv = tools()
+        rootfs = await self._image_root()
         socket = None
         if self._gateway_url:
             self._relay = await Relay.start(self._gateway_url)
@@ -138,11 +234,8 @@ class BwrapEnvironment(BaseEnvironment):
             "memory": config.memory_mb or DEFAULT_MEMORY_MB,
             "cpu": config.cpus or DEFAULT_CPUS, "pids": MAX_PROCS})
         read_fd, write_fd = os.pipe()
-        argv = sandbox_argv(bwrap, config.storage_mb or self._disk_mb, socket, write_fd,
-                            self._read_only)
-        if own_uids():
-            uid = str(new_uid())
-            argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
+        argv = self._argv(bwrap, setpriv, config.storage_mb or self._disk_mb, socket, write_fd,
+                          rootfs)
         try:
             self._process = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -162,7 +255,8 @@ class BwrapEnvironment(BaseEnvironment):
         await self._must(f"mkdir -p {' '.join(shlex.quote(d) for d in dirs)}")
         if self._gateway_url:
             port = inside_port(self._gateway_url)
-            await self._must(FORWARDER.format(port=port, sock=GATEWAY_SOCKET,
+            socat = shlex.join(hostexec.wrap(["socat"])) if rootfs else "socat"
+            await self._must(FORWARDER.format(socat=socat, port=port, sock=GATEWAY_SOCKET,
                                               hex=f"{port:04X}"))
         await self._upload_environment_dir_after_start()
 
@@ -188,6 +282,12 @@ class BwrapEnvironment(BaseEnvironment):
         if self._relay is not None:
             await self._relay.close()
             self._relay = None
+        # The overlay's tmpfs went with the sandbox's mount namespaces; its mount point and
+        # the image's hold are left.
+        if self._overlay is not None:
+            shutil.rmtree(self._overlay, ignore_errors=True)
+            self._overlay = None
+        self._image_hold.close()
 
     async def _run(self, command: str, cwd: str | None, env: dict[str, str] | None,
                    timeout_sec: float | None, stdin: bytes | None = None
