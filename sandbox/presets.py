@@ -333,6 +333,15 @@ def preset_for(harness: Harness) -> Preset:
         ) from None
 
 
+def side_calls_of(harness: Harness) -> str:
+    """What the gateway takes the rollout's toolless calls for (POST /admin/rollouts
+    `side_calls`). A Harbor agent (`harbor:AGENT`) is no preset and may be any agent: the
+    gateway decides by the rollout's own calls."""
+    if harness.preset.startswith("harbor:"):
+        return "auto"
+    return preset_for(harness).side_calls
+
+
 def harness_protocol(harness: Harness) -> Protocol:
     """The protocol, and so the gateway base URL, the harness uses."""
     fixed = preset_for(harness).protocol

@@ -35,7 +35,7 @@ import msgspec
 
 from sandbox.backends.base import Backend, CrashReward, SandboxRequest, SandboxResult
 from sandbox.gateway_client import AdminClient, GatewayError, RolloutInfo
-from sandbox.presets import Harness, preset_for
+from sandbox.presets import Harness, side_calls_of
 from sandbox.state import FinishedRollout, Key, RunHeader, StateFile
 from sandbox.summary import trained_tokens
 from sandbox.tasks import Task
@@ -257,7 +257,7 @@ class _Run:
                 group_id=item.group_id,
                 metadata=_metadata(item, self.harness, self.run_id),
                 timeout_s=gateway_timeout(item.task),
-                side_calls=preset_for(self.harness).side_calls,
+                side_calls=side_calls_of(self.harness),
             )
         except GatewayError as exc:
             self.fail(item, f"create: {exc}")
