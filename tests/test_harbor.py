@@ -26,6 +26,7 @@ from sandbox.harbor.tasks import load_harbor_tasks, task_dirs
 from sandbox.state import StateFile
 from sandbox.tasks import TaskFileError
 from tests.support.gateway import ADMIN_KEY
+from tests.support.vllm import TINY_MODEL_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "harbor"
@@ -119,7 +120,10 @@ def rollouts(gateway, tmp_path: Path, tasks: Path, agent: str, *extra: str
     state, trials = tmp_path / f"{agent}.jsonl", tmp_path / f"trials-{agent}"
     argv = [sys.executable, "-m", "sandbox.cli", str(tasks), "--harness", f"harbor:{agent}",
             "--group-size", "1", "--concurrency", "4", "--gateway", gateway.url,
-            "--state", str(state), "--trials-dir", str(trials), *extra]
+            "--state", str(state), "--trials-dir", str(trials),
+            # The runner's preflight wants a model the gateway's engine serves (--model in
+            # `extra` overrides it).
+            "--model", TINY_MODEL_NAME, *extra]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY})
     out = proc.stdout + proc.stderr
