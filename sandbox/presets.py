@@ -334,10 +334,12 @@ def preset_for(harness: Harness) -> Preset:
 
 
 def side_calls_for(harness: Harness) -> str:
-    """The preset's side-call rule; "auto" for a harness no preset describes (`harbor:AGENT`,
-    whose agent the Harbor backend runs)."""
-    preset = PRESETS.get(harness.preset)
-    return preset.side_calls if preset is not None else "auto"
+    """What the gateway takes the rollout's toolless calls for (POST /admin/rollouts
+    `side_calls`). A Harbor agent (`harbor:AGENT`) is no preset and may be any agent: the
+    gateway decides by the rollout's own calls."""
+    if harness.preset.startswith("harbor:"):
+        return "auto"
+    return preset_for(harness).side_calls
 
 
 def harness_protocol(harness: Harness) -> Protocol:
