@@ -393,6 +393,9 @@ def test_a_bridge_killed_at_every_seam_trains_every_rollout_exactly_once(
         bridge = subprocess.Popen([*command, "--output-dir", str(tmp_path / "final")], cwd=REPO,
                                   stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
+        # Its resume line first: the crashed bridges may have trained everything already, and a
+        # bridge stopped while it still imports has said nothing.
+        _wait_for_line(log_path, bridge, "rolltap bridge: resuming from", 0, 400)
         deadline = time.monotonic() + 400
         while True:
             state, delivered = asyncio.run(_run_state(database_url, run))
