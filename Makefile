@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install deps bench-deps test demo demo-real bench lint clean gpu-check
+.PHONY: install deps bench-deps test test-slow demo demo-real bench lint clean gpu-check
 
 install: deps $(STAMP) $(HARBOR_STAMP)
 
@@ -60,7 +60,11 @@ $(HARBOR_STAMP): Makefile $(STAMP)
 	touch $(HARBOR_STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -m "not slow"
+
+# Tests of whole demo runs, many minutes each (tests marked `slow`); CI runs them after `make test`.
+test-slow: install
+	$(BIN)/python -m pytest -q -ra -m slow
 
 demo: install
 	$(BIN)/rolltap demo

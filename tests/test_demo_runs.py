@@ -93,6 +93,7 @@ def _demo_argv(demo_dir: Path, steps: int = 2) -> list[str]:
             "--turns", "1", "--train-steps", str(steps)]
 
 
+@pytest.mark.slow  # three whole demos, about 10 minutes: `make test-slow`, run by CI
 def test_the_demo_run_three_times_in_one_directory_trains_every_time(demo_dir):
     """Each run reuses the model, the embedded Postgres and everything the runs before left
     in it (versions, backlog, leases); 16 steps are where the toy task's reward has climbed."""
