@@ -10,7 +10,7 @@ import asyncpg
 import msgspec
 from aiohttp import web
 
-from gateway import admin, admin_upstreams, traffic, viewer
+from gateway import admin, admin_upstreams, health, traffic, viewer
 from gateway.access_log import ROLLOUT_KEY
 from gateway.auth import check_admin
 from gateway.config import GatewayConfig
@@ -28,7 +28,6 @@ from gateway.store.db import UNAVAILABLE
 log = logging.getLogger(__name__)
 
 _SWEEP_INTERVAL_S = 5.0
-_HEALTH_DB_TIMEOUT_S = 0.8
 
 
 def _renderer(path: str):
@@ -166,28 +165,18 @@ async def root(request: web.Request) -> web.Response:
     return web.json_response({"name": "rolltap", "status": "ok"})
 
 
-async def _database_health(svc: Services) -> str:
-    try:
-        # Bounded: a frozen database must make the answer "down", not no answer.
-        async with svc.pool.acquire(timeout=_HEALTH_DB_TIMEOUT_S) as conn:
-            await conn.fetchval("SELECT 1", timeout=_HEALTH_DB_TIMEOUT_S)
-    except (asyncpg.PostgresError, *UNAVAILABLE) as exc:
-        return f"down: {str(exc) or type(exc).__name__}"
-    return "ok" if svc.recorder.down is None else f"down: {svc.recorder.down}"
-
-
 async def healthz(request: web.Request) -> web.Response:
     svc: Services = request.app["services"]
-    # Side by side: a slow replica must not delay the database's answer past the 2 s a
-    # probe may wait.
-    database, upstreams = await asyncio.gather(
-        _database_health(svc), svc.upstreams.health(timeout_s=1.5)
-    )
-    healthy = database == "ok" and any(v == "ok" for v in upstreams.values())
+    database = await svc.database_check.answer()
+    upstreams = svc.upstreams.probed()
+    ok = health.healthy(database, upstreams)
+    if not health.admin_requested(request.headers, svc.config.admin_key):
+        status, body = health.public_answer(ok)
+        return web.json_response(body, status=status)
     st = svc.recorder.stats
     return web.json_response(
         {
-            "status": "ok" if healthy else "degraded",
+            "status": "ok" if ok else "degraded",
             "database": database,
             "upstreams": upstreams,
             # replica -> unix time since which it is paused (a weight push)
@@ -203,7 +192,7 @@ async def healthz(request: web.Request) -> web.Response:
                 "refused": st.refused,
             },
         },
-        status=200 if healthy else 503,
+        status=200 if ok else 503,
     )
 
 
@@ -270,5 +259,5 @@ def build_app(config: GatewayConfig, pool: asyncpg.Pool) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_routes(admin.routes)
     app.router.add_routes(admin_upstreams.routes)
-    app.router.add_routes(viewer.routes)
+    viewer.install(app)
     return app

@@ -12,6 +12,7 @@ import asyncpg
 from gateway.auth import RolloutKeys
 from gateway.config import GatewayConfig
 from gateway.continuer import Continuer
+from gateway.health import DatabaseCheck, database_health
 from gateway.metrics import Metrics
 from gateway.notifications import Notifications
 from gateway.protocols.errors import GatewayError
@@ -60,6 +61,8 @@ class Services:
             replica_max_inflight=config.replica_max_inflight,
         )
         self.keys = RolloutKeys(pool)
+        self.database_check = DatabaseCheck(
+            lambda: database_health(pool, lambda: self.recorder.down))
         self.recent = RecentCalls(config.recent_calls_mib << 20)
         self.renderer = _renderer(config, self.upstreams)
         self.continuer = Continuer(
