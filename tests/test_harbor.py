@@ -6,7 +6,8 @@ against the real gateway, with Harbor 0.25.0 in its own venv (made by `make inst
 each rollout as one trial in rolltap's persistent bubblewrap environment. The fixture tasks are
 examples/harbor/ (hello-world, a multi-key reward.json, a service that must persist between
 execs, an environment that never becomes healthy) and tests/harbor (what the agent phase can
-reach, whether the verifier saw the key, a memory cap).
+reach, whether the verifier saw the key, a memory cap, an agent that tries to change its reward
+after it stops).
 """
 
 from __future__ import annotations
@@ -106,6 +107,50 @@ def test_image_stage_bounds_the_overlay_and_gives_the_trials_root_its_directorie
     # Without them (rolltap's own image sandboxes): neither.
     plain = confine.stage_script(image, staged, [])
     assert "tmpfs" not in plain and "chown -R" not in plain
+
+
+AGENT_UID = 2_000_000_007
+SYSTEM = {"usr": None, "etc": None, "bin": "usr/bin", "lib64": "usr/lib64"}
+
+
+@given(st.dictionaries(
+    st.sampled_from(["usr", "etc", "bin", "lib64", "app", "tests", "logs", "tmp", "root", "proc",
+                     "dev", "opt", "srv", "notes.txt"]),
+    st.tuples(st.sampled_from(["dir", "link", "file", ""]),
+              st.sampled_from([0, AGENT_UID]))),
+    st.sampled_from([None, "app", "root", "usr", "logs"]))
+def test_verifier_view_trusts_nothing_the_agent_made_in_its_system_directories(entries, copy):
+    """The verifier's root: the system directories' links from the trusted layout whatever
+    the agent left there, their directories bound only when the agent does not own them;
+    /tests, /logs, /tmp and /root its own (the workdir's top copied instead, when it is one of
+    them but Harbor's), each name once."""
+    from sandbox.harbor.verifier_view import FRESH, plan
+
+    steps = plan(entries, SYSTEM, copy, AGENT_UID)
+    by_name = {name: (action, arg) for action, name, arg in steps}
+    assert len(by_name) == len(steps)
+    assert by_name["bin"] == ("link", "usr/bin") and by_name["lib64"] == ("link", "usr/lib64")
+    for name in ("usr", "etc"):
+        kind, owner = entries.get(name, ("", AGENT_UID))
+        assert (by_name.get(name) == ("bind", None)) == (kind == "dir" and owner != AGENT_UID)
+    copied = copy if copy in ("app", "root") and entries.get(copy, ("",))[0] == "dir" else None
+    for name, mode in FRESH.items():
+        assert by_name[name] == (("copy", None) if name == copied else ("fresh", mode))
+    if copied:
+        assert by_name[copied] == ("copy", None)
+    for name, (kind, _) in entries.items():
+        if name not in SYSTEM and name not in FRESH and name != copied and kind:
+            assert by_name[name][0] == ("link" if kind == "link" else "bind_rw"
+                                        if name in ("dev", "proc") else "bind")
+
+
+def test_verifier_view_remounts_read_only_keeping_a_mounts_flags():
+    from sandbox.harbor import verifier_view as v
+
+    flags = v.remount_flags(v.MS_NODEV | v.MS_NOEXEC | v.ST_RELATIME)
+    assert flags & v.MS_RDONLY and flags & v.MS_NOSUID and flags & v.MS_REMOUNT
+    assert flags & v.MS_NODEV and flags & v.MS_NOEXEC and flags & v.MS_RELATIME
+    assert not v.remount_flags(0) & (v.MS_NODEV | v.MS_RELATIME)
 
 
 def test_task_directories_are_found_by_task_toml(tmp_path):
@@ -230,6 +275,22 @@ def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, vllm_server,
 
 
 @needs_harbor
+def test_agent_cannot_change_the_reward_after_it_stops(gateway, tmp_path):
+    """tests/harbor/hostile: a wrong answer, then a process left rewriting the reward files, a
+    usercustomize in the agent's home and a sitecustomize in the workdir, its own /bin/bash
+    (the tests' interpreter), stale rewards and a conftest.py in /tests. The verifier phase
+    runs as another uid in a view of its own: the wrong answer scores 0, the agent's process
+    is still running but is not the verifier's uid, no hook ran, the verifier had no key, and
+    it could write its copy of the workdir."""
+    _, states, _ = rollouts(gateway, tmp_path, FIXTURES / "hostile", "oracle")
+    hostile = states["hostile"]
+    assert (hostile["status"], hostile["reward"]) == ("finished", 0.0), hostile
+    assert hostile["metrics"]["harbor_rewards"] == {
+        "rewriter_alive": 1.0, "same_uid": 0.0, "verifier_saw_key": 0.0, "hook_ran": 0.0,
+        "wrote_workdir": 1.0}
+
+
+@needs_harbor
 async def test_ctrl_c_stops_the_trial_and_its_sandbox(tmp_path):
     """SIGINT while a trial's agent runs: the CLI exits 130, the rollout is finished as
     interrupted (against a STAND-IN admin API, tests/test_sandbox_runner.py), and the trial's
@@ -303,8 +364,8 @@ def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, a
     out, states, trials = rollouts(
         gateway, tmp_path, EXAMPLES / "hello-world", agent, "--model",
         provider + vllm_server.model,
-        "--environment-kwarg", f"ro_paths={NPM_PREFIX}", "--environment-kwarg",
-        f"path={bin_dir}", *extra)
+        "--environment-kwarg", f"ro_paths={NPM_PREFIX}",
+        "--environment-kwarg", f"path={bin_dir}", *extra)
     state = states["hello-world"]
     assert state["status"] == "finished" and state["reward"] == 0.0, (state, out)
     calls = gateway.calls(state["rollout_id"])
