@@ -36,6 +36,8 @@ from tests.support.images import base_image_fixture  # noqa: F401 (the base_imag
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "harbor"
 FIXTURES = REPO / "tests" / "harbor"
+# The agents' wheels `make install` downloads (the Makefile's MSWEA_WHEELS).
+HARBOR_WHEELS = REPO / ".cache" / "harbor-wheels"
 
 needs_harbor = pytest.mark.skipif(
     not os.access(harbor_python(), os.X_OK),
@@ -344,6 +346,23 @@ CLAUDE_DISALLOWED = ("Agent,Task,Glob,Grep,Read,Edit,Write,MultiEdit,NotebookEdi
                      "CronDelete,CronList,EnterWorktree,ExitWorktree")
 
 
+def offline_agent(gateway, tmp_path: Path, agent: str, model: str,
+                  *extra: str) -> tuple[str, dict]:
+    """`agent` on the hello-world task in the bwrap environment, with the project's pinned npm
+    CLIs and mini-swe-agent's wheels bound read-only (so Harbor skips its network installs):
+    the CLI's output and the rollout's state at the gateway."""
+    from tests.support.harnesses import NPM_PREFIX, require_harnesses
+
+    bin_dir = require_harnesses()
+    if agent == "mini-swe-agent" and not (HARBOR_WHEELS / agent).is_dir():
+        pytest.fail(f"{HARBOR_WHEELS / agent} is missing: `make install` downloads it")
+    out, states, _ = rollouts(
+        gateway, tmp_path, EXAMPLES / "hello-world", agent, "--model", model,
+        "--environment-kwarg", f"ro_paths={NPM_PREFIX}:{HARBOR_WHEELS}",
+        "--environment-kwarg", f"path={bin_dir}", *extra)
+    return out, states["hello-world"]
+
+
 @needs_harbor
 @pytest.mark.parametrize(("agent", "provider", "protocol", "extra"), [
     ("claude-code", "", "anthropic", (
@@ -352,21 +371,17 @@ CLAUDE_DISALLOWED = ("Agent,Task,Glob,Grep,Read,Edit,Write,MultiEdit,NotebookEdi
     ("codex", "", "responses", ()),
     # Harbor's pi takes provider/model and writes its provider block from OPENAI_BASE_URL.
     ("pi", "openai/", "chat", ("--agent-kwarg", "model_api=openai-completions")),
+    # Harbor's opencode with an openai/ model speaks the Responses API.
+    ("opencode", "openai/", "responses", ()),
+    # Installed in the sandbox from the wheels `make install` downloads (litellm inside).
+    ("mini-swe-agent", "openai/", "chat", ("--agent-kwarg", "max_tokens=64")),
 ])
 def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, agent, provider,
                                                protocol, extra):
-    """A Harbor agent in the bwrap environment, using the project's pinned CLI (bound
-    read-only, so Harbor skips its network install), against the gateway and the tiny model:
-    its calls are recorded with the engine's ids and the trial gets Harbor's grade."""
-    from tests.support.harnesses import NPM_PREFIX, require_harnesses
-
-    bin_dir = require_harnesses()
-    out, states, trials = rollouts(
-        gateway, tmp_path, EXAMPLES / "hello-world", agent, "--model",
-        provider + vllm_server.model,
-        "--environment-kwarg", f"ro_paths={NPM_PREFIX}",
-        "--environment-kwarg", f"path={bin_dir}", *extra)
-    state = states["hello-world"]
+    """A Harbor agent in the bwrap environment, using the project's pinned CLI or wheels
+    (bound read-only, so Harbor skips its network install), against the gateway and the tiny
+    model: its calls are recorded with the engine's ids and the trial gets Harbor's grade."""
+    out, state = offline_agent(gateway, tmp_path, agent, provider + vllm_server.model, *extra)
     assert state["status"] == "finished" and state["reward"] == 0.0, (state, out)
     calls = gateway.calls(state["rollout_id"])
     ok = [c for c in calls if c["status"] == "ok"]
@@ -375,6 +390,24 @@ def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, a
     # Merged into traces with tokens to train, as `rolltap bridge` takes any rollout's.
     stats = state["merge"]["stats"]
     assert stats["lost_tokens"] == 0 and stats["trained_tokens"] > 0, stats
+
+
+@needs_harbor
+def test_qwen_coder_starts_offline_and_overflows_the_tiny_models_context(gateway, vllm_server,
+                                                                        tmp_path):
+    """qwen-coder starts from the pinned CLI and calls the gateway, but its agent turn is
+    longer than the tiny model's 32,768-token context: the call is recorded as failed with the
+    engine's context-length error, qwen exits 1, and Harbor does not grade the trial
+    (UnknownApiError, reward not valid): the rollout is unscorable with that error as its
+    cause."""
+    out, state = offline_agent(gateway, tmp_path, "qwen-coder", vllm_server.model)
+    assert (state["status"], state["reward"]) == ("failed", None), (state, out)
+    assert "maximum context length is 32768 tokens" in state["metrics"]["harbor_exception"]
+    calls = gateway.calls(state["rollout_id"])
+    assert calls and all(c["protocol"] == "chat" for c in calls), calls
+    # The agent's turn, recorded as failed with the engine's error (a side call may pass).
+    failed = [c for c in calls if c["status"] == "failed"]
+    assert failed and "maximum context length" in str(failed[0]["error"]), calls
 
 
 PODMAN_MISSING = podman.missing(harbor_python())

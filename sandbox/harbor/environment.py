@@ -37,6 +37,11 @@ build) fails the environment's start: an infrastructure failure, never a wrong a
 without an image always does.
 Files move in and out as tar streams through an exec, never through /proc/PID/root, so a
 symlink the agent planted cannot point a copy at the host.
+
+The verifier phase (from Harbor's verification-start event, which the worker hands on:
+begin_verification) runs every exec, upload and download as another fresh host uid, in a view
+of its own that one holder process keeps (verifier_view.py): the agent's processes go on
+running, but nothing the agent left can reach the verifier's files, processes or environment.
 """
 
 from __future__ import annotations
@@ -90,8 +95,10 @@ MAX_PROCS = 4096
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STARTUP_S = 30.0
 VIEW_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verifier_view.py")
-# The verifier's view holds a copy of the workdir's top directory besides its own files.
+# The verifier's view holds a copy of the workdir's top directory besides its own files; the
+# copy of a large workdir (a repository) may take a while on a loaded machine.
 VERIFIER_MARGIN_MB = 256
+VIEW_START_S = 300.0
 # Waits for socat's listening socket in the sandbox's own /proc/net/tcp.
 FORWARDER = (
     "setsid {socat} TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:{sock} "
@@ -320,7 +327,7 @@ class BwrapEnvironment(BaseEnvironment):
             stderr=asyncio.subprocess.PIPE, start_new_session=True, env={"PATH": PATH},
             preexec_fn=self._join_cgroup())
         assert proc.stdout is not None and proc.stderr is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), STARTUP_S)
+        line = await asyncio.wait_for(proc.stdout.readline(), VIEW_START_S)
         if not line.startswith(b"ready "):
             await proc.wait()
             err = (await proc.stderr.read()).decode(errors="replace")
