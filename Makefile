@@ -48,7 +48,11 @@ $(STAMP): pyproject.toml
 HARBOR_PIN   := harbor==0.25.0
 # Harbor's podman environment runs podman-compose >= 1.6 (Debian's 1.0.3 lacks --in-pod).
 PODMAN_COMPOSE_PIN := podman-compose==1.6.0
-$(HARBOR_STAMP): Makefile $(STAMP)
+# Harbor's mini-swe-agent installs from these wheels in the sandbox, which reaches no index
+# (sandbox/harbor/agents.py): Python 3.11's, as the host's python3 that runs it there.
+MSWEA_PIN    := mini-swe-agent==2.4.6
+MSWEA_WHEELS := .cache/harbor-wheels/mini-swe-agent
+$(HARBOR_STAMP): Makefile $(STAMP) sandbox/harbor/mini-swe-agent.txt
 	@py=$$(command -v python3.12 >/dev/null && python3.12 -c 'import sys' 2>/dev/null \
 	  && echo python3.12); \
 	if [ -z "$$py" ] && command -v pyenv >/dev/null; then \
@@ -59,6 +63,8 @@ $(HARBOR_STAMP): Makefile $(STAMP)
 	test -x $(HARBOR_VENV)/bin/python || $$py -m venv $(HARBOR_VENV)
 	HARBOR_TELEMETRY=0 $(HARBOR_VENV)/bin/pip install -q -U pip wheel
 	HARBOR_TELEMETRY=0 $(HARBOR_VENV)/bin/pip install -q $(HARBOR_PIN) $(PODMAN_COMPOSE_PIN) msgspec==$$($(BIN)/python -c 'import msgspec; print(msgspec.__version__)')
+	$(BIN)/pip download -q --no-deps -d $(MSWEA_WHEELS) $(MSWEA_PIN)
+	$(BIN)/pip download -q -d $(MSWEA_WHEELS) -r sandbox/harbor/mini-swe-agent.txt
 	touch $(HARBOR_STAMP)
 
 test: install

@@ -9,7 +9,9 @@ runner's sentinel test file from the pipe ROLLTAP_KEY_FD names, takes the report
 (ROLLTAP_REPORT_FD) to a private non-inheritable descriptor, and writes a `start` record there.
 Every record carries an HMAC of its sequence number and body under that key. At the end it
 writes one `end` record: each test's outcome by node id, the collection errors, pytest's exit
-status; then it exits with that status.
+status; then it exits with that status. In a test run every test runs to the end (no `-x`,
+`--maxfail` or `--stepwise`, wherever they are set) and the sentinels join the items after
+deselection, so that an honest run always runs both.
 
 Given the task's test files (`keep`) it only collects: the runner does this on the task's own
 files to learn the expected tests, with the solution's modules stubbed (_Stubs).
@@ -143,6 +145,16 @@ class _Plugin:
         self.collection_errors: list[str] = []
         self.stubs = _Stubs(keep or [])
 
+    def pytest_configure(self, config):
+        # A stop at the first failures (-x, --maxfail, --stepwise, from the command, the ini
+        # file's addopts or PYTEST_ADDOPTS) would end the run at the failing sentinel wherever
+        # it lands, every expected test after it unrun: every test runs to the end instead.
+        if not self.collect:
+            config.option.maxfail = 0
+            for name in ("stepwise", "stepwise_skip", "stepwise_reset"):
+                if hasattr(config.option, name):
+                    setattr(config.option, name, False)
+
     def pytest_collection(self, session):
         if self.collect:
             sys.meta_path.insert(0, self.stubs)
@@ -191,6 +203,10 @@ def main() -> int:
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     import pytest
 
+    # Before the stepwise plugin reads its options; the sentinels join the items after every
+    # deselection (-k, -m, --deselect), which would otherwise drop them.
+    pytest.hookimpl(tryfirst=True)(_Plugin.pytest_configure)
+    pytest.hookimpl(trylast=True)(_Plugin.pytest_collection_modifyitems)
     # Absolute now: the tested code may change directory before the sentinels are collected.
     plugin = _Plugin([os.path.abspath(p) for p in setup.get("sentinels", [])], setup.get("keep"))
     args = sys.argv[1:] + (["--collect-only"] if collect else [])

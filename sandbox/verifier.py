@@ -9,8 +9,11 @@ Reward kinds:
   key; the runner adds two sentinel tests of random names and content, one that must pass and
   one that must fail. A report that is not whole (a bad seal, a second or torn record, a test
   twice, a test of the task's files that was not expected, a sentinel with the wrong outcome,
-  an exit status that contradicts it) scores 0 as `tampered`. A run that started but ended
-  before its report (the tested code exited, crashed, or ran out of a resource) scores 0.
+  an exit status that contradicts it, a sentinel that did not run in a run that was not
+  interrupted) scores 0 as `tampered`. The launcher turns off `-x`, `--maxfail` and
+  `--stepwise` wherever they are set, so that every test runs. A run that started but ended
+  before its report (the tested code exited, crashed, or ran out of a resource), or that was
+  interrupted (KeyboardInterrupt, `pytest.exit`, tests that do not collect), scores 0.
 - `binary`: 1.0 if the command exits 0, else 0.0. It trusts the exit status, which the tested
   code controls (`os._exit(0)` at import passes).
 - `script`: the number the command prints on its last non-empty stdout line; it trusts whatever
@@ -90,6 +93,9 @@ class TaskTestsError(Exception):
 
 
 START = b'{"record": "start"}'
+# pytest's exit status when the session was stopped (KeyboardInterrupt, pytest.exit, a
+# collection error).
+INTERRUPTED = 2
 
 
 def make_sentinels(rng: random.Random | None = None) -> Sentinels:
@@ -151,6 +157,13 @@ def judge(end: End, exit_code: int | None, expected: frozenset[str],
     if "collected" in outcomes.values():
         raise Tampered("a collection record in a test run")
     files = {_file(t) for t in expected}
+    if end.exitstatus != INTERRUPTED:
+        # The launcher runs every test to the end (it turns off -x, --maxfail and
+        # --stepwise): a run that was not interrupted ran both sentinels.
+        ran = {nodeid.rpartition("::")[2] for nodeid in outcomes}
+        for name in (sentinels.passing, sentinels.failing):
+            if name not in ran:
+                raise Tampered(f"the runner's sentinel test {name} did not run")
     for nodeid, outcome in outcomes.items():
         name = nodeid.rpartition("::")[2]
         if name in (sentinels.passing, sentinels.failing):
@@ -215,6 +228,10 @@ def score_pytest(outcome: ProcessOutcome, channel: bytes, key: bytes,
         counts = judge(end, outcome.exit_code, expected, sentinels)
     except Tampered as exc:
         return Scored(0.0, f"the test report is not whole: {exc}", None, True)
+    if end.exitstatus == INTERRUPTED:
+        return Scored(0.0, f"the test run was interrupted ({counts.passed}/{counts.total} "
+                           "expected tests had passed): the tested code stopped it, or the "
+                           "tests did not collect", counts)
     return Scored(counts.passed / counts.total,
                   f"{counts.passed}/{counts.total} expected tests passed", counts)
 

@@ -6,7 +6,8 @@ against the real gateway, with Harbor 0.25.0 in its own venv (made by `make inst
 each rollout as one trial in rolltap's persistent bubblewrap environment. The fixture tasks are
 examples/harbor/ (hello-world, a multi-key reward.json, a service that must persist between
 execs, an environment that never becomes healthy) and tests/harbor (what the agent phase can
-reach, whether the verifier saw the key, a memory cap).
+reach, whether the verifier saw the key, a memory cap, an agent that tries to change its reward
+after it stops).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from tests.support.images import base_image_fixture  # noqa: F401 (the base_imag
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "harbor"
 FIXTURES = REPO / "tests" / "harbor"
+# The agents' wheels `make install` downloads (the Makefile's MSWEA_WHEELS).
+HARBOR_WHEELS = REPO / ".cache" / "harbor-wheels"
 
 needs_harbor = pytest.mark.skipif(
     not os.access(harbor_python(), os.X_OK),
@@ -106,6 +109,50 @@ def test_image_stage_bounds_the_overlay_and_gives_the_trials_root_its_directorie
     # Without them (rolltap's own image sandboxes): neither.
     plain = confine.stage_script(image, staged, [])
     assert "tmpfs" not in plain and "chown -R" not in plain
+
+
+AGENT_UID = 2_000_000_007
+SYSTEM = {"usr": None, "etc": None, "bin": "usr/bin", "lib64": "usr/lib64"}
+
+
+@given(st.dictionaries(
+    st.sampled_from(["usr", "etc", "bin", "lib64", "app", "tests", "logs", "tmp", "root", "proc",
+                     "dev", "opt", "srv", "notes.txt"]),
+    st.tuples(st.sampled_from(["dir", "link", "file", ""]),
+              st.sampled_from([0, AGENT_UID]))),
+    st.sampled_from([None, "app", "root", "usr", "logs"]))
+def test_verifier_view_trusts_nothing_the_agent_made_in_its_system_directories(entries, copy):
+    """The verifier's root: the system directories' links from the trusted layout whatever
+    the agent left there, their directories bound only when the agent does not own them;
+    /tests, /logs, /tmp and /root its own (the workdir's top copied instead, when it is one of
+    them but Harbor's), each name once."""
+    from sandbox.harbor.verifier_view import FRESH, plan
+
+    steps = plan(entries, SYSTEM, copy, AGENT_UID)
+    by_name = {name: (action, arg) for action, name, arg in steps}
+    assert len(by_name) == len(steps)
+    assert by_name["bin"] == ("link", "usr/bin") and by_name["lib64"] == ("link", "usr/lib64")
+    for name in ("usr", "etc"):
+        kind, owner = entries.get(name, ("", AGENT_UID))
+        assert (by_name.get(name) == ("bind", None)) == (kind == "dir" and owner != AGENT_UID)
+    copied = copy if copy in ("app", "root") and entries.get(copy, ("",))[0] == "dir" else None
+    for name, mode in FRESH.items():
+        assert by_name[name] == (("copy", None) if name == copied else ("fresh", mode))
+    if copied:
+        assert by_name[copied] == ("copy", None)
+    for name, (kind, _) in entries.items():
+        if name not in SYSTEM and name not in FRESH and name != copied and kind:
+            assert by_name[name][0] == ("link" if kind == "link" else "bind_rw"
+                                        if name in ("dev", "proc") else "bind")
+
+
+def test_verifier_view_remounts_read_only_keeping_a_mounts_flags():
+    from sandbox.harbor import verifier_view as v
+
+    flags = v.remount_flags(v.MS_NODEV | v.MS_NOEXEC | v.ST_RELATIME)
+    assert flags & v.MS_RDONLY and flags & v.MS_NOSUID and flags & v.MS_REMOUNT
+    assert flags & v.MS_NODEV and flags & v.MS_NOEXEC and flags & v.MS_RELATIME
+    assert not v.remount_flags(0) & (v.MS_NODEV | v.MS_RELATIME)
 
 
 def test_task_directories_are_found_by_task_toml(tmp_path):
@@ -230,6 +277,22 @@ def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, vllm_server,
 
 
 @needs_harbor
+def test_agent_cannot_change_the_reward_after_it_stops(gateway, tmp_path):
+    """tests/harbor/hostile: a wrong answer, then a process left rewriting the reward files, a
+    usercustomize in the agent's home and a sitecustomize in the workdir, its own /bin/bash
+    (the tests' interpreter), stale rewards and a conftest.py in /tests. The verifier phase
+    runs as another uid in a view of its own: the wrong answer scores 0, the agent's process
+    is still running but is not the verifier's uid, no hook ran, the verifier had no key, and
+    it could write its copy of the workdir."""
+    _, states, _ = rollouts(gateway, tmp_path, FIXTURES / "hostile", "oracle")
+    hostile = states["hostile"]
+    assert (hostile["status"], hostile["reward"]) == ("finished", 0.0), hostile
+    assert hostile["metrics"]["harbor_rewards"] == {
+        "rewriter_alive": 1.0, "same_uid": 0.0, "verifier_saw_key": 0.0, "hook_ran": 0.0,
+        "wrote_workdir": 1.0}
+
+
+@needs_harbor
 async def test_ctrl_c_stops_the_trial_and_its_sandbox(tmp_path):
     """SIGINT while a trial's agent runs: the CLI exits 130, the rollout is finished as
     interrupted (against a STAND-IN admin API, tests/test_sandbox_runner.py), and the trial's
@@ -283,6 +346,23 @@ CLAUDE_DISALLOWED = ("Agent,Task,Glob,Grep,Read,Edit,Write,MultiEdit,NotebookEdi
                      "CronDelete,CronList,EnterWorktree,ExitWorktree")
 
 
+def offline_agent(gateway, tmp_path: Path, agent: str, model: str,
+                  *extra: str) -> tuple[str, dict]:
+    """`agent` on the hello-world task in the bwrap environment, with the project's pinned npm
+    CLIs and mini-swe-agent's wheels bound read-only (so Harbor skips its network installs):
+    the CLI's output and the rollout's state at the gateway."""
+    from tests.support.harnesses import NPM_PREFIX, require_harnesses
+
+    bin_dir = require_harnesses()
+    if agent == "mini-swe-agent" and not (HARBOR_WHEELS / agent).is_dir():
+        pytest.fail(f"{HARBOR_WHEELS / agent} is missing: `make install` downloads it")
+    out, states, _ = rollouts(
+        gateway, tmp_path, EXAMPLES / "hello-world", agent, "--model", model,
+        "--environment-kwarg", f"ro_paths={NPM_PREFIX}:{HARBOR_WHEELS}",
+        "--environment-kwarg", f"path={bin_dir}", *extra)
+    return out, states["hello-world"]
+
+
 @needs_harbor
 @pytest.mark.parametrize(("agent", "provider", "protocol", "extra"), [
     ("claude-code", "", "anthropic", (
@@ -291,21 +371,17 @@ CLAUDE_DISALLOWED = ("Agent,Task,Glob,Grep,Read,Edit,Write,MultiEdit,NotebookEdi
     ("codex", "", "responses", ()),
     # Harbor's pi takes provider/model and writes its provider block from OPENAI_BASE_URL.
     ("pi", "openai/", "chat", ("--agent-kwarg", "model_api=openai-completions")),
+    # Harbor's opencode with an openai/ model speaks the Responses API.
+    ("opencode", "openai/", "responses", ()),
+    # Installed in the sandbox from the wheels `make install` downloads (litellm inside).
+    ("mini-swe-agent", "openai/", "chat", ("--agent-kwarg", "max_tokens=64")),
 ])
 def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, agent, provider,
                                                protocol, extra):
-    """A Harbor agent in the bwrap environment, using the project's pinned CLI (bound
-    read-only, so Harbor skips its network install), against the gateway and the tiny model:
-    its calls are recorded with the engine's ids and the trial gets Harbor's grade."""
-    from tests.support.harnesses import NPM_PREFIX, require_harnesses
-
-    bin_dir = require_harnesses()
-    out, states, trials = rollouts(
-        gateway, tmp_path, EXAMPLES / "hello-world", agent, "--model",
-        provider + vllm_server.model,
-        "--environment-kwarg", f"ro_paths={NPM_PREFIX}", "--environment-kwarg",
-        f"path={bin_dir}", *extra)
-    state = states["hello-world"]
+    """A Harbor agent in the bwrap environment, using the project's pinned CLI or wheels
+    (bound read-only, so Harbor skips its network install), against the gateway and the tiny
+    model: its calls are recorded with the engine's ids and the trial gets Harbor's grade."""
+    out, state = offline_agent(gateway, tmp_path, agent, provider + vllm_server.model, *extra)
     assert state["status"] == "finished" and state["reward"] == 0.0, (state, out)
     calls = gateway.calls(state["rollout_id"])
     ok = [c for c in calls if c["status"] == "ok"]
@@ -314,6 +390,24 @@ def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, a
     # Merged into traces with tokens to train, as `rolltap bridge` takes any rollout's.
     stats = state["merge"]["stats"]
     assert stats["lost_tokens"] == 0 and stats["trained_tokens"] > 0, stats
+
+
+@needs_harbor
+def test_qwen_coder_starts_offline_and_overflows_the_tiny_models_context(gateway, vllm_server,
+                                                                        tmp_path):
+    """qwen-coder starts from the pinned CLI and calls the gateway, but its agent turn is
+    longer than the tiny model's 32,768-token context: the call is recorded as failed with the
+    engine's context-length error, qwen exits 1, and Harbor does not grade the trial
+    (UnknownApiError, reward not valid): the rollout is unscorable with that error as its
+    cause."""
+    out, state = offline_agent(gateway, tmp_path, "qwen-coder", vllm_server.model)
+    assert (state["status"], state["reward"]) == ("failed", None), (state, out)
+    assert "maximum context length is 32768 tokens" in state["metrics"]["harbor_exception"]
+    calls = gateway.calls(state["rollout_id"])
+    assert calls and all(c["protocol"] == "chat" for c in calls), calls
+    # The agent's turn, recorded as failed with the engine's error (a side call may pass).
+    failed = [c for c in calls if c["status"] == "failed"]
+    assert failed and "maximum context length" in str(failed[0]["error"]), calls
 
 
 PODMAN_MISSING = podman.missing(harbor_python())

@@ -96,7 +96,9 @@ def test_bridge_trains_on_a_group_of_harbor_trials(untied_model, trained_vllm, h
         [sys.executable, "-m", "sandbox.cli", str(TASK), "--harness", f"harbor:{AGENT}",
          "--group-size", str(GROUP), "--concurrency", str(GROUP), "--gateway", gateway.url,
          "--model", TINY_MODEL_NAME, "--state", str(state),
-         "--trials-dir", str(tmp_path / "trials")],
+         "--trials-dir", str(tmp_path / "trials"),
+         # The task is FROM debian:bookworm-slim, which no registry here provides.
+         "--environment-kwarg", "rootfs=host"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY})
     out = proc.stdout + proc.stderr

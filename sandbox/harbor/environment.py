@@ -37,6 +37,11 @@ build) fails the environment's start: an infrastructure failure, never a wrong a
 without an image always does.
 Files move in and out as tar streams through an exec, never through /proc/PID/root, so a
 symlink the agent planted cannot point a copy at the host.
+
+The verifier phase (from Harbor's verification-start event, which the worker hands on:
+begin_verification) runs every exec, upload and download as another fresh host uid, in a view
+of its own that one holder process keeps (verifier_view.py): the agent's processes go on
+running, but nothing the agent left can reach the verifier's files, processes or environment.
 """
 
 from __future__ import annotations
@@ -49,8 +54,10 @@ import os
 import shlex
 import shutil
 import signal
+import sys
 import tarfile
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from harbor.environments.base import BaseEnvironment, ExecResult
@@ -64,6 +71,7 @@ from sandbox.confine import (
     NO_IMAGE_WITHOUT_ROOT,
     RUN_DIR,
     STAGED_ROOT,
+    SYSTEM_DIRS,
     Image,
     Phase,
     View,
@@ -86,6 +94,11 @@ DEFAULT_MEMORY_MB = 4096
 MAX_PROCS = 4096
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STARTUP_S = 30.0
+VIEW_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verifier_view.py")
+# The verifier's view holds a copy of the workdir's top directory besides its own files; the
+# copy of a large workdir (a repository) may take a while on a loaded machine.
+VERIFIER_MARGIN_MB = 256
+VIEW_START_S = 300.0
 # Waits for socat's listening socket in the sandbox's own /proc/net/tcp.
 FORWARDER = (
     "setsid {socat} TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:{sock} "
@@ -96,13 +109,32 @@ FORWARDER = (
 
 
 def exec_argv(pid: int, command: str, cwd: str, env: dict[str, str],
-              path: str = PATH) -> list[str]:
+              path: str = PATH, uid: int | None = None) -> list[str]:
     """The host command line that runs `command` (bash) inside the sandbox whose init is
-    `pid`, in `cwd`, with exactly `env` (plus PATH and HOME unless given). Pure."""
+    `pid`, in `cwd`, with exactly `env` (plus PATH and HOME unless given): as the sandbox's
+    root, or with `uid` as that host uid in every namespace of `pid` but its user namespace
+    (the verifier, in its view's holder). Pure."""
     full = {"PATH": path, "HOME": "/root", **env}
-    return ["nsenter", f"--target={pid}", "--all", "--root", "--",
+    enter = (["--all"] if uid is None else
+             ["--mount", "--uts", "--ipc", "--net", "--pid", "--cgroup", f"--setuid={uid}",
+              f"--setgid={uid}"])
+    return ["nsenter", f"--target={pid}", *enter, "--root", "--",
             "env", "-i", *(f"{k}={v}" for k, v in full.items()),
             "bash", "-c", 'cd -- "$0" && eval "$1"', cwd, command]
+
+
+def system_layout(root: str) -> dict[str, str | None]:
+    """The system directories (confine.SYSTEM_DIRS) of a root filesystem on the host (the
+    host's `/` or an image's unpacked root): name -> link target, or None for a directory.
+    The verifier's view takes them from here, not from the sandbox the agent could change."""
+    layout: dict[str, str | None] = {}
+    for name in SYSTEM_DIRS:
+        path = os.path.join(root, name)
+        if os.path.islink(path):
+            layout[name] = os.readlink(path)
+        elif os.path.isdir(path):
+            layout[name] = None
+    return layout
 
 
 def image_source(docker_image: str | None, environment_dir: Path) -> tuple[str | None, str | None]:
@@ -168,6 +200,9 @@ class BwrapEnvironment(BaseEnvironment):
         self._pid: int | None = None
         self._relay: Relay | None = None
         self._cgroup: Cgroup | None = None
+        self._agent_uid: int | None = None  # the sandbox's root on the host (as root only)
+        self._system = system_layout("/")
+        self._verifier: _Verifier | None = None
         super().__init__(*args, **kwargs)
 
     @staticmethod
@@ -201,10 +236,11 @@ class BwrapEnvironment(BaseEnvironment):
               info_fd: int, rootfs: str | None) -> list[str]:
         if not own_uids():
             return sandbox_argv(bwrap, disk_mb, socket, info_fd, self._read_only)
-        uid = new_uid()
+        uid = self._agent_uid = new_uid()
         if rootfs is None:
             return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
                     *sandbox_argv(bwrap, disk_mb, socket, info_fd, self._read_only)]
+        self._system = system_layout(rootfs)
         self._overlay = tempfile.mkdtemp(prefix="rolltap-harbor-overlay-")
         image = Image(rootfs, self._overlay)
         phase = Phase(View(tuple(ro_binds(self._read_only)), gateway_socket=socket,
@@ -268,7 +304,53 @@ class BwrapEnvironment(BaseEnvironment):
         if result.return_code != 0:
             raise RuntimeError(f"sandbox setup failed ({command!r}): {result.stderr}")
 
+    async def begin_verification(self) -> None:
+        """Harbor's verification starts: from here on every exec, upload and download runs as
+        a fresh host uid in the verifier's own view (verifier_view.py). The agent's processes
+        keep running (a service must still answer the tests) but reach nothing of it. Without
+        root there is no other uid to run as: the verifier runs as the sandbox's root, as in
+        rolltap's own sandboxes without root."""
+        if self._agent_uid is None or self._pid is None or self._verifier is not None:
+            return
+        uid = self._agent_uid
+        while uid == self._agent_uid:
+            uid = new_uid()
+        config = self.task_env_config
+        top = PurePosixPath(self._workdir).parts[1:2]
+        spec = {"pid": self._pid, "uid": uid, "agent_uid": self._agent_uid,
+                "size_mb": (config.storage_mb or self._disk_mb) + VERIFIER_MARGIN_MB,
+                "system": self._system, "copy": top[0] if top else None,
+                "workdir": self._workdir}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", VIEW_SCRIPT, json.dumps(spec),
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, env={"PATH": PATH},
+            preexec_fn=self._join_cgroup())
+        assert proc.stdout is not None and proc.stderr is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), VIEW_START_S)
+        if not line.startswith(b"ready "):
+            await proc.wait()
+            err = (await proc.stderr.read()).decode(errors="replace")
+            raise RuntimeError(f"the verifier's view did not start: {err}")
+        home = "/tmp" if spec["copy"] == "root" else "/root"
+        self._verifier = _Verifier(proc, int(line.split()[1]), uid, home)
+
+    async def end_verification(self) -> None:
+        """An agent phase starts again (a multi-step task's next step): the verifier's
+        processes and view go; the agent never sees them."""
+        verifier, self._verifier = self._verifier, None
+        if verifier is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(verifier.process.pid, signal.SIGKILL)
+        for pid in self._cgroup.pids() if self._cgroup else []:
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{pid}").st_uid == verifier.uid:
+                    os.kill(pid, signal.SIGKILL)
+        await verifier.process.wait()
+
     async def stop(self, delete: bool) -> None:
+        await self.end_verification()
         if self._process is not None and self._process.returncode is None:
             # Killing the session ends setpriv/bwrap; bwrap's init then takes every process
             # of the sandbox's PID namespace with it.
@@ -288,13 +370,19 @@ class BwrapEnvironment(BaseEnvironment):
             shutil.rmtree(self._overlay, ignore_errors=True)
             self._overlay = None
         self._image_hold.close()
+        self._pid = None  # a separate verifier's phase then finds no sandbox to enter
 
     async def _run(self, command: str, cwd: str | None, env: dict[str, str] | None,
                    timeout_sec: float | None, stdin: bytes | None = None
                    ) -> tuple[int, bytes, bytes]:
         if self._pid is None:
             raise RuntimeError("the environment is not started")
-        argv = exec_argv(self._pid, command, cwd or self._workdir, env or {}, self._path)
+        if (verifier := self._verifier) is not None:
+            # The verifier's PATH is the system's only: the agent's pinned CLIs are not its.
+            argv = exec_argv(verifier.holder, command, cwd or self._workdir,
+                             {"HOME": verifier.home, **(env or {})}, PATH, verifier.uid)
+        else:
+            argv = exec_argv(self._pid, command, cwd or self._workdir, env or {}, self._path)
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else
             asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -357,6 +445,17 @@ class BwrapEnvironment(BaseEnvironment):
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
         Path(target_dir).mkdir(parents=True, exist_ok=True)
         _extract(await self._tar_out(source_dir, "."), str(target_dir))
+
+
+@dataclass(frozen=True)
+class _Verifier:
+    """The verifier phase's view: its holder process (`process`, the session killed at the
+    end; `holder`, the PID execs enter), the verifier's host uid and HOME."""
+
+    process: asyncio.subprocess.Process
+    holder: int
+    uid: int
+    home: str
 
 
 def _paths(value: list[str] | str) -> list[str]:

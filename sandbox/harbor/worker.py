@@ -52,6 +52,28 @@ def _agent_config(request: TrialRequest):
                        kwargs=dict(request.agent_kwargs))
 
 
+def _phase_hooks(trial) -> None:
+    """rolltap's bwrap environment learns from Harbor's own events when the verifier phase
+    starts (its execs then run as the verifier's uid, in its own view) and when an agent phase
+    starts again (a multi-step task's next step)."""
+    from harbor.trial.hooks import TrialEvent
+
+    from sandbox.harbor.environment import BwrapEnvironment
+
+    environment = trial.agent_environment
+    if not isinstance(environment, BwrapEnvironment):
+        return
+
+    async def verification(_event) -> None:
+        await environment.begin_verification()
+
+    async def agent(_event) -> None:
+        await environment.end_verification()
+
+    trial.add_hook(TrialEvent.VERIFICATION_START, verification)
+    trial.add_hook(TrialEvent.AGENT_START, agent)
+
+
 def _seconds(timing) -> float | None:
     if timing is None or timing.started_at is None or timing.finished_at is None:
         return None
@@ -71,6 +93,7 @@ async def run_trial(request: TrialRequest) -> TrialReply:
             environment=_environment_config(request),
         )
         trial = await Trial.create(config)
+        _phase_hooks(trial)
         result = await trial.run()
     except Exception as exc:  # the trial never ran: the caller reports it as this rollout's
         return TrialReply(id=request.id, rewards=None, reward_valid=False,
