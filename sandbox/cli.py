@@ -102,6 +102,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "the runner races ahead of training (default: no limit)")
     run.add_argument("--state", metavar="FILE",
                      help="JSONL of finished rollouts; rerun with the same file to resume")
+    run.add_argument("--run-id", metavar="ID",
+                     help="the run id of a new run, stamped on its rollouts' metadata "
+                          "(`rolltap bridge --match run_id=ID` trains on them; default: a "
+                          "random one); a resumed --state file keeps its own")
     run.add_argument("--crash-reward", choices=["zero", "null", "verify"], default="zero",
                      help="reward of a crashed or timed-out harness (default zero)")
     run.add_argument("--task", action="append", metavar="ID", dest="task_ids",
@@ -293,6 +297,7 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
             group_size=args.group_size, backend=backend, concurrency=args.concurrency,
             repeat=args.repeat, state_path=args.state, crash_reward=args.crash_reward,
             stop=stop, on_finished=finished, on_error=failed, max_backlog=args.max_backlog,
+            run_id=args.run_id,
         )
     finally:
         aclose = getattr(backend, "aclose", None)  # a backend with a worker of its own
@@ -394,6 +399,14 @@ def main(args: argparse.Namespace) -> int:
               f"--group-size ({args.group_size}): a bridge trains whole groups",
               file=sys.stderr)
         return 2
+    if args.run_id and args.state:
+        from sandbox.state import StateFile
+
+        header = StateFile(args.state).load()[0]
+        if header is not None and header.run_id != args.run_id:
+            print(f"rolltap rollouts: --state {args.state} belongs to run {header.run_id}, not "
+                  f"--run-id {args.run_id}", file=sys.stderr)
+            return 2
     from sandbox.harbor.cli import agent_name
 
     try:

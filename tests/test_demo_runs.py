@@ -32,9 +32,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.knobs import key_value
-from sandbox.demo import stop_embedded_postgres
 from tests.support.gateway import REPO
 from trainer_bridge.config import match_arg
+from trainer_bridge.stack.launcher import stop_embedded_postgres
 
 MARKER = "ROLLTAP_DEMO_TREE_TEST"
 # Stages are the demo's own `== N/7` headings; what must be running once each is under way.

@@ -25,6 +25,7 @@ from packaging.specifiers import SpecifierSet
 
 from tests.support.gateway import REPO
 
+GPU_CHECK = "trainer_bridge.stack.gpu_check"
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 
 
@@ -158,7 +159,7 @@ def test_gpu_extra_pins_the_cpu_builds_vllm_release_and_the_kernels_transformers
 
 @no_cuda
 def test_gpu_check_stops_at_no_cuda_device_before_starting_anything(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "sandbox.gpu_check", "--dir", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", GPU_CHECK, "--dir", str(tmp_path)],
                             capture_output=True, text=True, timeout=300, cwd=REPO,
                             env={**os.environ, "PATH": str(tmp_path / "bin")})
     assert result.returncode == 1
@@ -177,7 +178,7 @@ def test_gpu_check_trusts_torch_not_only_the_driver_listing(tmp_path):
                    "echo 'GPU 1: stand-in (UUID: GPU-1)'\n")
     smi.chmod(0o755)
     workdir = tmp_path / "work"
-    result = subprocess.run([sys.executable, "-m", "sandbox.gpu_check", "--dir", str(workdir)],
+    result = subprocess.run([sys.executable, "-m", GPU_CHECK, "--dir", str(workdir)],
                             capture_output=True, text=True, timeout=300, cwd=REPO,
                             env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
     assert result.returncode == 1, result.stderr[-2000:]

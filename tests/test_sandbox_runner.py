@@ -281,6 +281,22 @@ async def test_interrupt_then_resume_does_not_redo(admin_api, harness, tmp_path)
     assert set(StateFile(state).load()[1]) == all_keys
 
 
+async def test_a_run_id_given_names_the_run_and_a_resume_must_match_it(admin_api, harness,
+                                                                       tmp_path):
+    state = tmp_path / "state.jsonl"
+    report = await run_rollouts(
+        [task("a", "ok")], harness, gateway=admin_api.url, admin_key=ADMIN_KEY, group_size=2,
+        backend=LocalBackend(), state_path=str(state), run_id="ours-1",
+    )
+    assert report.run_id == "ours-1" and StateFile(state).load()[0].run_id == "ours-1"
+    assert {r["metadata"]["run_id"] for r in admin_api.rollouts.values()} == {"ours-1"}
+    with pytest.raises(ValueError, match="belongs to run ours-1, not other"):
+        await run_rollouts(
+            [task("a", "ok")], harness, gateway=admin_api.url, admin_key=ADMIN_KEY,
+            group_size=2, backend=LocalBackend(), state_path=str(state), run_id="other",
+        )
+
+
 async def test_gateway_refusal_is_an_error_for_that_rollout_only(admin_api, harness):
     admin_api.refuse_tasks = {"refused"}
     errors = []

@@ -124,11 +124,16 @@ def run(args: argparse.Namespace) -> int:
     if not check_devices(stages, torch.cuda.device_count(), 2, "torch.cuda.device_count()"):
         return stages.exit_code()
 
-    import httpx
-
-    from sandbox.demo import _free_port, _Processes, _wait_http, stop_embedded_postgres
     from trainer_bridge.config import match_arg
     from trainer_bridge.serve_model import VllmStartError, start_vllm
+    from trainer_bridge.stack.launcher import (
+        ROLLTAP,
+        Processes,
+        admin_client,
+        free_port,
+        start_gateway,
+        stop_embedded_postgres,
+    )
     from trainer_bridge.tiny_model import write_tiny_model
     from trainer_bridge.toy_task import ToyTask, run_toy_rollouts
 
@@ -137,10 +142,9 @@ def run(args: argparse.Namespace) -> int:
     model_dir = workdir / "tiny"
     if not (model_dir / "model.safetensors").exists():
         write_tiny_model(model_dir)
-    rolltap = [sys.executable, "-m", "gateway.cli"]
     admin_key = secrets.token_urlsafe(16)
-    procs = _Processes()
-    vllm = start_vllm(model_dir, _free_port(), device="gpu", gpus=(args.serve_gpu,),
+    procs = Processes()
+    vllm = start_vllm(model_dir, free_port(), device="gpu", gpus=(args.serve_gpu,),
                       served_model_name="tiny", max_model_len=2048,
                       extra_args=["--gpu-memory-utilization", "0.5"],
                       log_path=workdir / "vllm.log")
@@ -153,20 +157,17 @@ def run(args: argparse.Namespace) -> int:
             return stages.exit_code()
         stages.check("vLLM on GPU", True, f"GPU {args.serve_gpu}, {vllm.url}")
 
-        gateway = f"http://127.0.0.1:{_free_port()}"
-        gw = procs.start([*rolltap, "gateway", "--upstream", vllm.url,
-                          "--port", gateway.rsplit(":", 1)[1], "--data-dir", str(workdir / "data")],
-                         workdir / "gateway.log", env={"ROLLTAP_ADMIN_KEY": admin_key})
-        _wait_http(gateway + "/healthz", gw, workdir / "gateway.log", "gateway", 180)
-        admin = httpx.Client(base_url=gateway, timeout=60,
-                             headers={"Authorization": f"Bearer {admin_key}"})
+        gw_port = free_port()
+        gateway = f"http://127.0.0.1:{gw_port}"
+        start_gateway(procs, workdir, vllm.url, gw_port, admin_key)
+        admin = admin_client(gateway, admin_key)
         start_version = admin.get("/admin/policy").json()["version"]
         before, sums_before = _greedy(vllm.url), _checksums(vllm.url)
 
         run_id = secrets.token_hex(4)
         bridge_log = workdir / "bridge.log"
         bridge = procs.start(
-            [*rolltap, "bridge", "--model", str(model_dir), "--vllm", vllm.url,
+            [*ROLLTAP, "bridge", "--model", str(model_dir), "--vllm", vllm.url,
              "--gateway", gateway, "--data-dir", str(workdir / "data"),
              "--weight-sync", "nccl", "--max-steps", str(STEPS), "--num-generations", "8",
              "--learning-rate", "2e-2", "--token-budget", "420", "--queue-size", "24",
@@ -214,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sandbox.gpu_check",
+        prog="python -m trainer_bridge.stack.gpu_check",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

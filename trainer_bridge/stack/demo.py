@@ -16,20 +16,27 @@ Every part is a separate process driven over HTTP, exactly as in a deployment.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import secrets
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from trainer_bridge.serve_model import die_with_parent
+from trainer_bridge.stack.launcher import (
+    ROLLTAP,
+    Processes,
+    admin_client,
+    free_port,
+    run_once,
+    serve_model,
+    start_gateway,
+    step,
+    stop_embedded_postgres,
+)
+from trainer_bridge.stack.real_demo import add_arguments, run_real
 
-EXAMPLE_TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks" / "tasks.jsonl"
+EXAMPLE_TASKS = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "tasks.jsonl"
 
 DEMO_TOOL = {
     "type": "function",
@@ -65,78 +72,13 @@ def register(subparsers) -> None:
     parser.add_argument("--model", choices=("tiny", "smol"), default="tiny",
                         help="tiny: the random tiny model, toy training task (default); smol: "
                         "SmolLM2-135M-Instruct learning the coding tasks of examples/smol-tasks "
-                        "through sandboxes and hidden tests (see sandbox/real_demo.py)")
+                        "through sandboxes and hidden tests (see "
+                        "trainer_bridge/stack/real_demo.py)")
     parser.add_argument("--gateway-port", type=int, default=None, metavar="PORT",
                         help="port of the demo's gateway (default: a free one); the container "
                         "image sets 9000 for its health check")
-    from sandbox.real_demo import add_arguments
-
     add_arguments(parser)
     parser.set_defaults(func=run)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _step(text: str) -> None:
-    print(f"\n== {text}", flush=True)
-
-
-def _wait_http(url: str, proc: subprocess.Popen, log: Path, what: str, timeout: float) -> None:
-    import httpx
-
-    started = time.monotonic()
-    last = 0.0
-    while time.monotonic() - started < timeout:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:]
-            raise SystemExit(f"{what} exited with code {proc.returncode}; log {log}:\n{tail}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                print(f"   {what} ready after {time.monotonic() - started:.0f} s", flush=True)
-                return
-        if time.monotonic() - last > 10:
-            last = time.monotonic()
-            print(f"   waiting for {what} ({time.monotonic() - started:.0f} s) …", flush=True)
-        time.sleep(0.5)
-    raise SystemExit(f"{what} not ready after {timeout:.0f} s; see {log}")
-
-
-class _Processes:
-    """Child processes of the demo, each in its own process group (a Ctrl-C in the terminal
-    reaches the demo, which stops them in its own time), each sent SIGTERM by the kernel when
-    the demo dies, even by SIGKILL (`die_with_parent`): nothing of the demo outlives it."""
-
-    def __init__(self) -> None:
-        self._procs: list[subprocess.Popen] = []
-
-    def start(self, args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-        # Secrets go by environment, never argv, where any local process could read them.
-        proc = subprocess.Popen(args, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=die_with_parent(),
-                                env={**os.environ, **(env or {})})
-        self._procs.append(proc)
-        return proc
-
-    def stop_all(self, grace_s: float = 20.0) -> None:
-        """SIGTERM to every group at once, SIGKILL to what is left after `grace_s`: all
-        together, so the whole stop fits into the few seconds a parent's timeout allows."""
-        running = [proc for proc in self._procs if proc.poll() is None]
-        for proc in running:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in running:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(max(deadline - time.monotonic(), 0))
-        for proc in self._procs:
-            # The group too: what a server started (vLLM's engine core) may outlive it.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _conversation(base_url: str, api_key: str, model: str, turns: int) -> None:
@@ -217,8 +159,6 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, _interrupt)
     try:
         if args.model == "smol":
-            from sandbox.real_demo import run_real
-
             return run_real(args)
         return _run_tiny(args)
     except Interrupted as stop:
@@ -228,52 +168,42 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_tiny(args: argparse.Namespace) -> int:
-    import httpx
-
     if args.train_steps is None:
         args.train_steps = 24
 
     workdir: Path = args.dir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    rolltap = [sys.executable, "-m", "gateway.cli"]
-    procs = _Processes()
+    procs = Processes()
     admin_key = secrets.token_urlsafe(16)
     try:
         model_dir = workdir / "tiny-untied"
-        _step(f"1/7 tiny model (offline) in {model_dir}")
+        step(f"1/7 tiny model (offline) in {model_dir}")
         if not (model_dir / "model.safetensors").exists():
             # Untied by default: vLLM's CPU build can reload only an untied LM head in place.
-            subprocess.run([*rolltap, "tiny-model", str(model_dir)], check=True,
-                           preexec_fn=die_with_parent())
+            run_once([*ROLLTAP, "tiny-model", str(model_dir)])
         else:
             print("   already built")
 
-        vllm_port, gw_port = _free_port(), args.gateway_port or _free_port()
+        vllm_port, gw_port = free_port(), args.gateway_port or free_port()
         upstream = f"http://127.0.0.1:{vllm_port}"
-        _step(f"2/7 vLLM (CPU build) on {upstream}; log {workdir / 'vllm.log'}")
-        vllm = procs.start([*rolltap, "serve-model", str(model_dir), "--port", str(vllm_port),
-                            "--served-model-name", "tiny"], workdir / "vllm.log")
-        _wait_http(upstream + "/health", vllm, workdir / "vllm.log", "vLLM", 600)
+        step(f"2/7 vLLM (CPU build) on {upstream}; log {workdir / 'vllm.log'}")
+        serve_model(procs, workdir / "vllm.log", model_dir, vllm_port, "tiny")
 
         gateway = f"http://127.0.0.1:{gw_port}"
-        _step(f"3/7 gateway on {gateway}, embedded Postgres in {workdir / 'data'}")
-        gw = procs.start([*rolltap, "gateway", "--upstream", upstream, "--port", str(gw_port),
-                          "--data-dir", str(workdir / "data"), "--tokenizer", str(model_dir),
-                          # the tiny model calls its tools only under a grammar: train those
-                          "--train-constrained"],
-                         workdir / "gateway.log", env={"ROLLTAP_ADMIN_KEY": admin_key})
-        _wait_http(gateway + "/healthz", gw, workdir / "gateway.log", "gateway", 180)
-        admin = httpx.Client(base_url=gateway, timeout=60,
-                             headers={"Authorization": f"Bearer {admin_key}"})
+        step(f"3/7 gateway on {gateway}, embedded Postgres in {workdir / 'data'}")
+        # the tiny model calls its tools only under a grammar: train those
+        start_gateway(procs, workdir, upstream, gw_port, admin_key,
+                      ("--tokenizer", str(model_dir), "--train-constrained"))
+        admin = admin_client(gateway, admin_key)
 
-        _step("4/7 a tool-using conversation through the gateway, as one rollout")
+        step("4/7 a tool-using conversation through the gateway, as one rollout")
         rollout = admin.post("/admin/rollouts", json={"task_id": "demo-fix-calc"}).json()
         print(f"   rollout {rollout['rollout_id']}, key {rollout['api_key'][:10]}…")
         _conversation(rollout["openai_base_url"], rollout["api_key"], "tiny", args.turns)
         finished = admin.post(f"/admin/rollouts/{rollout['rollout_id']}/finish",
                               json={"reward": 1.0}).json()
 
-        _step("5/7 what Postgres holds")
+        step("5/7 what Postgres holds")
         _show_calls(admin, upstream, rollout["rollout_id"])
         stats = finished["merge"]["stats"]
         print(f"   merged into {stats['sequences']} training sequence(s): "
@@ -284,21 +214,19 @@ def _run_tiny(args: argparse.Namespace) -> int:
         print(f"   or see it at {gateway}/ui#/rollout/{rollout['rollout_id']} (admin key "
               f"{admin_key}) while the demo runs")
 
-        _step("6/7 sandboxes: the scripted python harness on an example task, hidden tests score")
-        subprocess.run(
-            [*rolltap, "rollouts", str(EXAMPLE_TASKS), "--harness", "python",
-             "--agent", "sandbox.agents.scripted:run", "--task", "fizzbuzz", "--group-size", "2",
-             "--concurrency", "2", "--gateway", gateway, "--model", "tiny"],
-            check=False, env={**os.environ, "ROLLTAP_ADMIN_KEY": admin_key},
-            preexec_fn=die_with_parent(),
-        )
+        step("6/7 sandboxes: the scripted python harness on an example task, hidden tests score")
+        run_once([*ROLLTAP, "rollouts", str(EXAMPLE_TASKS), "--harness", "python",
+                  "--agent", "sandbox.agents.scripted:run", "--task", "fizzbuzz",
+                  "--group-size", "2", "--concurrency", "2", "--gateway", gateway,
+                  "--model", "tiny"],
+                 env={"ROLLTAP_ADMIN_KEY": admin_key}, check=False)
         print("   (the random tiny model writes no working code: rewards are 0, as expected)")
 
         if args.train_steps > 0:
-            _step(f"7/7 training: {args.train_steps} GRPO steps on the toy task, weights back "
+            step(f"7/7 training: {args.train_steps} GRPO steps on the toy task, weights back "
                   "to vLLM after each")
-            _train(args.train_steps, workdir, rolltap, procs, model_dir, upstream, gateway,
-                   admin, admin_key)
+            _train(args.train_steps, workdir, procs, model_dir, upstream, gateway, admin,
+                   admin_key)
     finally:
         procs.stop_all()
         stop_embedded_postgres(workdir / "data" / "pgdata")
@@ -306,8 +234,8 @@ def _run_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(steps: int, workdir: Path, rolltap: list[str], procs: _Processes, model_dir: Path,
-           upstream: str, gateway: str, admin, admin_key: str) -> None:
+def _train(steps: int, workdir: Path, procs: Processes, model_dir: Path, upstream: str,
+           gateway: str, admin, admin_key: str) -> None:
     """The bridge trains on toy-task rollouts that an agent plays through the gateway meanwhile;
     the demo prints the reward of each step as the bridge logs it."""
     import threading
@@ -319,7 +247,7 @@ def _train(steps: int, workdir: Path, rolltap: list[str], procs: _Processes, mod
     out_dir = workdir / f"train-{run_id}"
     start_version = admin.get("/admin/policy").json()["version"]
     bridge = procs.start(
-        [*rolltap, "bridge", "--model", str(model_dir), "--vllm", upstream, "--gateway", gateway,
+        [*ROLLTAP, "bridge", "--model", str(model_dir), "--vllm", upstream, "--gateway", gateway,
          "--data-dir", str(workdir / "data"), "--num-generations", "8",
          "--max-steps", str(steps), "--weight-sync", "disk",
          "--checkpoint-dir", str(out_dir / "checkpoints"), "--output-dir", str(out_dir),
@@ -378,19 +306,3 @@ def _train(steps: int, workdir: Path, rolltap: list[str], procs: _Processes, mod
     summary = json.loads((out_dir / "summary.json").read_text())
     print(f"   reward over the first steps {summary['reward_first_steps'] or 0:.3f} -> last "
           f"steps {summary['reward_last_steps'] or 0:.3f}; versions {summary['versions']}")
-
-
-def stop_embedded_postgres(pgdata: Path, timeout: float = 30.0) -> None:
-    """Stop the embedded Postgres in `pgdata`, which the gateway leaves running on purpose (a
-    restart reuses it). Signalled directly: pgserver's own cleanup stops a server only when its
-    last registered handle goes, and the gateway's handle stays registered."""
-    pid_file = pgdata / "postmaster.pid"
-    if not pid_file.exists():
-        return
-    pid = int(pid_file.read_text().split("\n", 1)[0])
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGINT)  # Postgres's fast shutdown
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            os.kill(pid, 0)
-            time.sleep(0.1)

@@ -13,32 +13,34 @@ Writes RUN_DIR/summary.json and RUN_DIR/curve.png (reward per step, held-out pas
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import secrets
 import shutil
 import signal
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sandbox.demo import (
-    _free_port,
-    _Processes,
-    _step,
-    _wait_http,
-    die_with_parent,
+from trainer_bridge.stack.launcher import (
+    ROLLTAP,
+    Processes,
+    admin_client,
+    free_port,
+    run_once,
+    serve_model,
+    start_gateway,
+    step,
     stop_embedded_postgres,
 )
+from trainer_bridge.stack.rollouts import finished, rollouts_command, task_ids
 
-SMOL_TASKS = Path(__file__).resolve().parents[1] / "examples" / "smol-tasks" / "tasks.jsonl"
+ROOT = Path(__file__).resolve().parents[2]
+SMOL_TASKS = ROOT / "examples" / "smol-tasks" / "tasks.jsonl"
 MODEL_NAME = "smol"
-AGENT = "sandbox.agents.code_writer:run"
-NPM_BIN = Path(__file__).resolve().parents[1] / ".cache" / "npm" / "node_modules" / ".bin"
+# The sandbox runner's `python` preset with the code-block agent.
+HARNESS = ["--harness", "python", "--agent", "sandbox.agents.code_writer:run"]
+NPM_BIN = ROOT / ".cache" / "npm" / "node_modules" / ".bin"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,57 +118,17 @@ class Evaluation:
 # ---- rollouts through the runner ------------------------------------------------------------
 
 
-def _harness(preset: str, **extra):
-    from sandbox.presets import Harness, check_harness
-
-    harness = Harness(preset=preset, model=MODEL_NAME, **extra)
-    check_harness(harness)
-    return harness
-
-
-async def _rollouts(tasks, harness, gateway: str, admin_key: str, run_id: str, state: Path, *,
-                    group_size: int, concurrency: int, repeat: int = 1, stop=None, quiet=False,
-                    max_backlog: int | None = None):
-    """Run rollouts with the sandbox runner under a run id of ours (so the bridge can select
-    them by it); returns the runner's report."""
-    from sandbox.backends.local import LocalBackend
-    from sandbox.runner import run_rollouts
-    from sandbox.state import RunHeader, StateFile
-
-    StateFile(state).append(RunHeader(run_id=run_id, created=time.time()))
-
-    def show(record, progress) -> None:
-        if not quiet:
-            print(f"   [{progress.done:>3}/{progress.total}] {record.task_id:<20} reward "
-                  f"{record.reward if record.reward is not None else 'none':<5} "
-                  f"{record.duration_s:5.0f} s", flush=True)
-
-    return await run_rollouts(
-        tasks, harness, gateway=gateway, admin_key=admin_key, group_size=group_size,
-        backend=LocalBackend(), concurrency=concurrency, repeat=repeat, state_path=str(state),
-        stop=stop, on_finished=show, max_backlog=max_backlog)
-
-
-class _Player(threading.Thread):
-    """Plays training groups with the runner in a thread of its own until `halt()`."""
-
-    def __init__(self, **rollouts) -> None:
-        super().__init__(daemon=True)
-        self.rollouts = rollouts
-        self.ready = threading.Event()
-
-    def run(self) -> None:
-        async def play():
-            self.loop, self.stop = asyncio.get_running_loop(), asyncio.Event()
-            self.ready.set()
-            await _rollouts(**self.rollouts, stop=self.stop)
-
-        asyncio.run(play())
-
-    def halt(self) -> None:
-        self.ready.wait()
-        if self.is_alive():  # it may have played every group it had already
-            self.loop.call_soon_threadsafe(self.stop.set)
+def _rollouts(ctx: dict, harness: list[str], run_id: str, tasks: list[str], *, group_size: int,
+              concurrency: int) -> tuple[list, int]:
+    """One run of `rolltap rollouts` to its end, its progress on the terminal, under a run id of
+    ours; returns the finished rollouts and how many did not finish (the runner says why)."""
+    state = ctx["dir"] / f"{run_id}.jsonl"
+    run_once(rollouts_command(SMOL_TASKS, harness, gateway=ctx["gateway"], model=MODEL_NAME,
+                              run_id=run_id, state=state, group_size=group_size,
+                              concurrency=concurrency, tasks=tasks),
+             env={"ROLLTAP_ADMIN_KEY": ctx["admin_key"]}, check=False)
+    done = finished(state)
+    return done, len(tasks) * group_size - len(done)
 
 
 def _versions(admin, rollout_ids: list[str]) -> list[int]:
@@ -185,28 +147,24 @@ def _check_alive(ctx: dict) -> None:
                              "killed it (dmesg)")
 
 
-def evaluate(label: str, step: int, heldout, ctx: dict) -> Evaluation:
+def evaluate(label: str, at_step: int, heldout: list[str], ctx: dict) -> Evaluation:
     started = time.monotonic()
-    run_id = f"{ctx['run']}-eval-{label}"
-    report = asyncio.run(_rollouts(
-        heldout, ctx["harness"], ctx["gateway"], ctx["admin_key"], run_id,
-        ctx["dir"] / f"{run_id}.jsonl", group_size=ctx["eval_samples"],
-        concurrency=ctx["concurrency"]))
+    done, failed = _rollouts(ctx, HARNESS, f"{ctx['run']}-eval-{label}", heldout,
+                             group_size=ctx["eval_samples"], concurrency=ctx["concurrency"])
     _check_alive(ctx)
-    outcomes: dict[str, list[bool]] = {t.id: [] for t in heldout}
+    outcomes: dict[str, list[bool]] = {t: [] for t in heldout}
     crashed = 0
-    for record in report.finished:
+    for record in done:
         # A harness that crashed (an engine gone, a sandbox failure) says nothing about the
         # model: it is counted apart, not as a failed attempt.
         if record.sandbox_status == "ok":
             outcomes[record.task_id].append(passed(record.reward))
         else:
             crashed += 1
-    if crashed or report.errors:
-        print(f"   ({crashed} crashed and {len(report.errors)} failed rollouts left out)",
-              flush=True)
-    ev = Evaluation(label, step, outcomes,
-                    _versions(ctx["admin"], [r.rollout_id for r in report.finished]),
+    if crashed or failed:
+        print(f"   ({crashed} crashed and {failed} failed rollouts left out)", flush=True)
+    ev = Evaluation(label, at_step, outcomes,
+                    _versions(ctx["admin"], [r.rollout_id for r in done]),
                     time.monotonic() - started)
     print("   " + ev.line(), flush=True)
     print("   per task: " + ", ".join(f"{t} {sum(v)}/{len(v)}" for t, v in outcomes.items()),
@@ -220,12 +178,12 @@ def evaluate(label: str, step: int, heldout, ctx: dict) -> Evaluation:
 def _train(args, ctx: dict, train, heldout, evaluations: list[Evaluation]) -> list[dict]:
     """The bridge trains while the runner plays training groups; held-out evaluations run at
     every `eval_every` steps. Returns the bridge's per-step progress entries."""
-    workdir, rolltap = ctx["dir"], ctx["rolltap"]
+    workdir = ctx["dir"]
     run_id = f"{ctx['run']}-train"
     out_dir = workdir / "bridge"
     prompt_budget = 2048  # a sample is the prompt (~120 tokens) plus at most 300 sampled
     bridge = ctx["procs"].start(
-        [*rolltap, "bridge", "--model", str(ctx["model_dir"]), "--vllm", ctx["upstream"],
+        [*ROLLTAP, "bridge", "--model", str(ctx["model_dir"]), "--vllm", ctx["upstream"],
          "--gateway", ctx["gateway"], "--data-dir", str(workdir / "data"),
          "--num-generations", str(args.group_size), "--max-steps", str(args.steps),
          "--weight-sync", "disk", "--checkpoint-dir", str(out_dir / "checkpoints"),
@@ -240,16 +198,18 @@ def _train(args, ctx: dict, train, heldout, evaluations: list[Evaluation]) -> li
     # Groups until the bridge is done: some are dropped (all rewards equal, or stale), so no
     # fixed number is enough; the backlog keeps the runner one group ahead, and `halt()` ends it.
     groups = args.steps * len(train) * 4
-    player = _Player(tasks=train, harness=ctx["harness"], gateway=ctx["gateway"],
-                     admin_key=ctx["admin_key"], run_id=run_id,
-                     state=workdir / f"{run_id}.jsonl", group_size=args.group_size,
-                     concurrency=args.concurrency, repeat=max(1, groups // len(train)),
-                     quiet=True, max_backlog=args.max_backlog or 2 * args.group_size)
-    player.start()
+    player = ctx["procs"].start(
+        rollouts_command(SMOL_TASKS, HARNESS, gateway=ctx["gateway"], model=MODEL_NAME,
+                         run_id=run_id, state=workdir / f"{run_id}.jsonl",
+                         group_size=args.group_size, concurrency=args.concurrency,
+                         tasks=train, repeat=max(1, groups // len(train)),
+                         max_backlog=args.max_backlog or 2 * args.group_size),
+        workdir / f"{run_id}.log", env={"ROLLTAP_ADMIN_KEY": ctx["admin_key"]})
     progress, entries, next_eval = out_dir / "progress.jsonl", [], args.eval_every
     deadline = time.monotonic() + 60 * args.train_minutes if args.train_minutes else None
     stopped = False
-    print(f"   bridge log {workdir / 'bridge.log'}; {args.group_size} rollouts per group; "
+    print(f"   bridge log {workdir / 'bridge.log'}, runner log {workdir / f'{run_id}.log'}; "
+          f"{args.group_size} rollouts per group; "
           f"{'step':>4} {'reward':>7} {'version':>7} {'elapsed':>8}", flush=True)
     while True:
         lines = progress.read_text().splitlines() if progress.exists() else []
@@ -274,15 +234,17 @@ def _train(args, ctx: dict, train, heldout, evaluations: list[Evaluation]) -> li
                                         heldout, ctx))
             next_eval += args.eval_every
         time.sleep(2)
-    player.halt()
-    player.join(300)
+    # The runner stops on SIGTERM: sandboxes in flight killed, their rollouts finished as failed.
+    if player.poll() is None:  # it may have played every group it had already
+        player.send_signal(signal.SIGTERM)
+    player.wait(300)
     if bridge.returncode and not (stopped and bridge.returncode == 130):
         raise SystemExit(f"the bridge failed (exit {bridge.returncode}); see "
                          f"{workdir / 'bridge.log'}")
     return entries
 
 
-def _pi(args, ctx: dict, tasks) -> dict | None:
+def _pi(args, ctx: dict, tasks: list[str]) -> dict | None:
     """A few rollouts of the Pi CLI: the calls, sequences, continuation paths and fork causes
     the gateway recorded for each."""
     pi = shutil.which("pi", path=f"{NPM_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -290,13 +252,12 @@ def _pi(args, ctx: dict, tasks) -> dict | None:
         print("   Pi is not installed (npm i --prefix .cache/npm "
               "@mariozechner/pi-coding-agent@0.73.1); skipped", flush=True)
         return None
-    harness = _harness("pi", executable=pi, context_window=8192, max_output_tokens=512)
-    run_id = f"{ctx['run']}-pi"
-    report = asyncio.run(_rollouts(
-        tasks[: args.pi_rollouts], harness, ctx["gateway"], ctx["admin_key"], run_id,
-        ctx["dir"] / f"{run_id}.jsonl", group_size=1, concurrency=args.pi_rollouts))
+    harness = ["--harness", "pi", "--harness-bin", pi, "--context-window", "8192",
+               "--max-output-tokens", "512"]
+    done, failed = _rollouts(ctx, harness, f"{ctx['run']}-pi", tasks[: args.pi_rollouts],
+                             group_size=1, concurrency=args.pi_rollouts)
     rows = []
-    for record in report.finished:
+    for record in done:
         info = ctx["admin"].get(f"/admin/rollouts/{record.rollout_id}").json()
         stats = (info.get("merge") or {}).get("stats") or {}
         rows.append({"task": record.task_id, "reward": record.reward,
@@ -307,7 +268,7 @@ def _pi(args, ctx: dict, tasks) -> dict | None:
               f"sequences {stats.get('sequences')}, prompt tokens {record.prompt_tokens}, "
               f"continuation {info.get('continuation')}, forks {stats.get('causes')}",
               flush=True)
-    return {"rollouts": rows, "errors": [e.message for e in report.errors]}
+    return {"rollouts": rows, "failed": failed}
 
 
 def plot(entries: list[dict], evaluations: list[Evaluation], path: Path) -> None:
@@ -336,61 +297,46 @@ def plot(entries: list[dict], evaluations: list[Evaluation], path: Path) -> None
 
 
 def run_real(args: argparse.Namespace) -> int:
-    import httpx
-
     if args.train_steps is None:
         args.train_steps = 16
     args.steps = args.train_steps
 
-    from sandbox.tasks import load_tasks
-
     workdir: Path = (args.dir / "smol").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    rolltap = [sys.executable, "-m", "gateway.cli"]
-    procs = _Processes()
+    procs = Processes()
     admin_key = secrets.token_urlsafe(16)
     t0 = time.monotonic()
-    tasks = load_tasks(SMOL_TASKS)
-    train = [t for t in tasks if t.metadata.get("split") == "train"]
-    heldout = [t for t in tasks if t.metadata.get("split") == "heldout"]
+    train, heldout = task_ids(SMOL_TASKS, "train"), task_ids(SMOL_TASKS, "heldout")
     evaluations: list[Evaluation] = []
     try:
         model_dir = workdir.parent / "smol-model"
-        _step(f"1/6 SmolLM2-135M-Instruct in {model_dir} (rolltap smol-model)")
-        subprocess.run([*rolltap, "smol-model", str(model_dir)], check=True,
-                       preexec_fn=die_with_parent())
+        step(f"1/6 SmolLM2-135M-Instruct in {model_dir} (rolltap smol-model)")
+        run_once([*ROLLTAP, "smol-model", str(model_dir)])
 
-        vllm_port, gw_port = _free_port(), _free_port()
+        vllm_port, gw_port = free_port(), free_port()
         upstream = f"http://127.0.0.1:{vllm_port}"
-        _step(f"2/6 vLLM (CPU build) on {upstream}; log {workdir / 'vllm.log'}")
-        vllm = procs.start([*rolltap, "serve-model", str(model_dir), "--port", str(vllm_port),
-                            "--served-model-name", MODEL_NAME, "--max-model-len", "8192",
-                            "--kv-cache-gib", "1"], workdir / "vllm.log")
-        _wait_http(upstream + "/health", vllm, workdir / "vllm.log", "vLLM", 900)
+        step(f"2/6 vLLM (CPU build) on {upstream}; log {workdir / 'vllm.log'}")
+        vllm = serve_model(procs, workdir / "vllm.log", model_dir, vllm_port, MODEL_NAME,
+                           ("--max-model-len", "8192", "--kv-cache-gib", "1"), timeout=900)
 
         gateway = f"http://127.0.0.1:{gw_port}"
-        _step(f"3/6 gateway on {gateway} (temperature {args.temperature}; the agent's "
-              "toolless calls are its rollouts, so they train)")
-        data = workdir / "data"
-        gw = procs.start([*rolltap, "gateway", "--upstream", upstream, "--port", str(gw_port),
-                          "--data-dir", str(data), "--temperature", str(args.temperature),
-                          "--train-auxiliary"],
-                         workdir / "gateway.log", env={"ROLLTAP_ADMIN_KEY": admin_key})
-        _wait_http(gateway + "/healthz", gw, workdir / "gateway.log", "gateway", 300)
-        admin = httpx.Client(base_url=gateway, timeout=60,
-                             headers={"Authorization": f"Bearer {admin_key}"})
-        ctx = {"dir": workdir, "rolltap": rolltap, "procs": procs, "admin_key": admin_key,
+        step(f"3/6 gateway on {gateway} (temperature {args.temperature}; the agent's "
+             "toolless calls are its rollouts, so they train)")
+        gw = start_gateway(procs, workdir, upstream, gw_port, admin_key,
+                           ("--temperature", str(args.temperature), "--train-auxiliary"),
+                           timeout=300)
+        admin = admin_client(gateway, admin_key)
+        ctx = {"dir": workdir, "procs": procs, "admin_key": admin_key,
                "admin": admin, "gateway": gateway, "upstream": upstream,
                "model_dir": model_dir, "run": secrets.token_hex(3), "t0": t0,
-               "vllm": vllm, "gw": gw,
-               "harness": _harness("python", agent=AGENT), "eval_samples": args.eval_samples,
+               "vllm": vllm, "gw": gw, "eval_samples": args.eval_samples,
                "concurrency": args.concurrency}
 
-        _step(f"4/6 held-out pass@1 before training: {len(heldout)} tasks x "
+        step(f"4/6 held-out pass@1 before training: {len(heldout)} tasks x "
               f"{args.eval_samples} rollouts")
         evaluations.append(evaluate("before", 0, heldout, ctx))
 
-        _step(f"5/6 training: {args.steps} AsyncGRPO steps on {len(train)} tasks, weights to "
+        step(f"5/6 training: {args.steps} AsyncGRPO steps on {len(train)} tasks, weights to "
               "vLLM after each")
         entries = _train(args, ctx, train, heldout, evaluations)
         evaluations.append(evaluate("after", entries[-1]["step"] if entries else 0, heldout,
@@ -398,7 +344,7 @@ def run_real(args: argparse.Namespace) -> int:
 
         pi = None
         if args.pi_rollouts:
-            _step(f"6/6 the Pi harness CLI on {args.pi_rollouts} held-out task(s), multi-turn "
+            step(f"6/6 the Pi harness CLI on {args.pi_rollouts} held-out task(s), multi-turn "
                   "recording")
             pi = _pi(args, ctx, heldout)
     finally:
