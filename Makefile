@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 HARBOR_VENV  := .venv-harbor
 HARBOR_STAMP := $(HARBOR_VENV)/.installed
 
-.PHONY: install deps bench-deps test test-slow demo demo-real bench lint clean gpu-check
+.PHONY: install deps bench-deps test test-unit test-slow demo demo-real bench lint clean gpu-check
 
 install: deps $(STAMP) $(HARBOR_STAMP)
 
@@ -64,6 +64,11 @@ $(HARBOR_STAMP): Makefile $(STAMP)
 test: install
 	$(BIN)/python -m pytest -q -ra -m "not slow"
 
+# The inner loop: tests/unit only, which start nothing (no vLLM, Postgres, sandbox or child
+# process; tests/unit/conftest.py fails a test that does). A few minutes on 2 cores.
+test-unit: install
+	$(BIN)/python -m pytest -q -ra -m "not slow" tests/unit
+
 # Tests of whole demo runs, many minutes each (tests marked `slow`); CI runs them after `make test`.
 test-slow: install
 	$(BIN)/python -m pytest -q -ra -m slow
@@ -76,8 +81,9 @@ demo-real: install
 	$(BIN)/rolltap demo --model smol
 
 # podman, for the bench's rows beside rolltap's own sandboxes and the opt-in podman test of
-# tests/test_harbor.py: runc because crun fails on these kernels' hybrid cgroups; its settings
-# are sandbox/harbor/containers.conf (CONTAINERS_CONF), not /etc. Not part of `make install`.
+# tests/integration/test_harbor.py: runc because crun fails on these kernels' hybrid cgroups;
+# its settings are sandbox/harbor/containers.conf (CONTAINERS_CONF), not /etc. Not part of
+# `make install`.
 PODMAN_DEBS := podman runc
 bench-deps:
 	@if ! command -v podman >/dev/null || ! command -v runc >/dev/null; then \

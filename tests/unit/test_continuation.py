@@ -21,7 +21,6 @@ from gateway.render import (
     Around,
     CheckedRenderer,
     Crosscheck,
-    LocalTemplate,
     RenderError,
     opening_messages,
     render_body,
@@ -475,37 +474,6 @@ def test_render_body_keeps_what_shapes_the_prompt():
         render_body(body | {"tool_choice": "none"}, [], ending="generation")["tool_choice"]
         == "none"
     )
-
-
-# -- local tokenizer --------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def local_and_hf(tiny_model_dir):
-    from tokenizers import Tokenizer
-
-    return LocalTemplate.from_model_dir(tiny_model_dir), Tokenizer.from_file(
-        str(tiny_model_dir / "tokenizer.json")
-    )
-
-
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>"]
-
-
-@settings(max_examples=400, deadline=None)
-@given(
-    st.lists(
-        st.text(max_size=30)
-        | st.sampled_from(SPECIALS)
-        | st.text(alphabet=" \n\t\r", max_size=6)
-        | st.sampled_from(["e\u0301", "\u212b", "'s", "'LL", "123 4"]),
-        max_size=12,
-    )
-)
-def test_local_tokenizer_equals_the_models(local_and_hf, pieces):
-    local, hf = local_and_hf
-    text = "".join(pieces)
-    assert local.encode(text) == hf.encode(text, add_special_tokens=False).ids
 
 
 class _Engine:

@@ -790,12 +790,3 @@ def test_a_rollout_past_the_call_cap_is_refused_with_the_reason(monkeypatch):
     assert merge(calls[:2]).stats.calls == 2
     with pytest.raises(TooManyCalls, match="3 calls, more than the 2"):
         merge(calls)
-
-
-def test_merge_of_40000_calls_stays_under_a_gibibyte():
-    """The former n x n table alone took 9 bytes x calls squared: 13.5 GiB here."""
-    from bench.bench_merge import scale
-
-    result = scale(40_000)
-    assert result["sequences"] > 0
-    assert result["peak_bytes"] < 1 << 30, result

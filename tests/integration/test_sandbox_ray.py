@@ -15,13 +15,9 @@ from sandbox.backends.base import RolloutAccess, SandboxRequest  # noqa: E402
 from sandbox.backends.ray import RayBackend  # noqa: E402
 from sandbox.presets import Harness  # noqa: E402
 from sandbox.runner import run_rollouts  # noqa: E402
-from tests import test_sandbox_runner as runner_tests  # noqa: E402
-from tests.test_sandbox_examples import SOLUTIONS, TASKS, writer  # noqa: E402
-from tests.test_sandbox_local import alive_with  # noqa: E402
-
-# The stand-in admin API and the agents of the runner tests, as fixtures of this module too.
-admin_api = runner_tests.admin_api
-harness = runner_tests.harness
+from tests.support.examples import SOLUTIONS, TASKS, writer  # noqa: E402
+from tests.support.processes import alive_with  # noqa: E402
+from tests.support.stand_in_admin import ADMIN_KEY, task  # noqa: E402
 
 ACCESS = RolloutAccess("r", "rk-ray", "http://127.0.0.1:9/v1", "http://127.0.0.1:9")
 
@@ -71,8 +67,8 @@ async def test_cancel_kills_the_sandbox(backend, tmp_path):
 
 async def test_runner_over_ray(backend, admin_api, harness):
     report = await run_rollouts(
-        [runner_tests.task("a", "ok"), runner_tests.task("b", "crash")], harness,
-        gateway=admin_api.url, admin_key=runner_tests.ADMIN_KEY, group_size=2, concurrency=4,
+        [task("a", "ok"), task("b", "crash")], harness,
+        gateway=admin_api.url, admin_key=ADMIN_KEY, group_size=2, concurrency=4,
         backend=backend,
     )
     assert report.errors == []

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The venv's console script: import-linter set up in this process would configure logging for
 # the whole test session (it silences the loggers other tests read through caplog).
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"

@@ -23,6 +23,7 @@ from sandbox.limits import Limits
 from sandbox.presets import Harness
 from sandbox.process import run_contained
 from sandbox.tasks import Task, Timeouts, Verifier
+from tests.support.processes import alive_with
 from tests.support.tasks import FIZZBUZZ_HIDDEN_TESTS
 
 ACCESS = RolloutAccess(
@@ -138,22 +139,6 @@ def sh_agent(command: str, **kw) -> Harness:
 
 def write_solution(code: str) -> Harness:
     return sh_agent("python -c " + shlex.quote(f"open('fizzbuzz.py', 'w').write({code!r})"))
-
-
-def alive_with(marker: str) -> list[int]:
-    """Processes whose command line holds `marker` and that are not zombies."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry.name}/cmdline").read_bytes()
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-        except OSError:
-            continue
-        if marker.encode() in cmdline and stat[stat.rindex(")") + 2] != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def only_sandbox(root: Path) -> Path:

@@ -17,7 +17,7 @@ from sandbox.tasks import (
     parse_tasks,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 GOOD = {"id": "t1", "prompt": "do it", "files": {"a.py": "x = 1\n"},
         "verifier": {"command": "pytest -q", "files": {"tests/test_a.py": "def test(): pass\n"}}}

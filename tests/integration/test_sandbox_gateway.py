@@ -18,7 +18,7 @@ from sandbox.runner import run_rollouts
 from sandbox.tasks import load_tasks
 from tests.support.gateway import ADMIN_KEY
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "examples" / "tasks" / "tasks.jsonl"
 
 

@@ -36,10 +36,10 @@ from sandbox.limits import Limits
 from sandbox.presets import Harness
 from sandbox.tasks import Task, Timeouts, Verifier, load_tasks
 from tests.support.gateway import ADMIN_KEY
-from tests.support.images import base_image_fixture  # noqa: F401 (the base_image fixture)
+from tests.support.processes import alive_with
 from tests.support.tasks import FIZZBUZZ_HIDDEN_TESTS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 AGENTS = REPO / "tests" / "agents"
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="own uids per phase need root")
@@ -168,20 +168,6 @@ def task_set(tmp_path: Path) -> TaskSet:
 def access_for(rollout: dict) -> RolloutAccess:
     return RolloutAccess(rollout["rollout_id"], rollout["api_key"], rollout["openai_base_url"],
                          rollout["anthropic_base_url"])
-
-
-def alive_with(marker: str) -> list[int]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                cmdline = Path(f"/proc/{entry.name}/cmdline").read_bytes()
-                stat = Path(f"/proc/{entry.name}/stat").read_text()
-            except OSError:
-                continue
-            if marker.encode() in cmdline and stat[stat.rindex(")") + 2] != "Z":
-                found.append(int(entry.name))
-    return found
 
 
 HONEST_AGENT = '''

@@ -156,7 +156,7 @@ def test_opencode(gateway, vllm_server, tiny_tokenizer, harness_bin, tmp_path):
     assert agent["request"]["stream_options"] == {"include_usage": True}
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # preset -> (recorded protocol, user agent product, extra CLI arguments)
 THROUGH_ROLLOUTS = {
     "claude-code": ("anthropic", "claude-cli",

@@ -33,7 +33,6 @@ from sandbox.confine import Bind, Image, Phase, View
 from sandbox.images import Entry, context_digest, evictions
 from sandbox.presets import Harness
 from sandbox.tasks import Task, load_tasks
-from tests.support.images import base_image_fixture  # noqa: F401 (the base_image fixture)
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="image overlays need root")
 ACCESS = RolloutAccess("r-img", "rk-img", "http://127.0.0.1:9/v1", "http://127.0.0.1:9")

@@ -30,16 +30,11 @@ from sandbox.harbor.tasks import load_harbor_tasks, task_dirs
 from sandbox.state import StateFile
 from sandbox.tasks import TaskFileError
 from tests.support.gateway import ADMIN_KEY
-from tests.support.images import base_image_fixture  # noqa: F401 (the base_image fixture)
+from tests.support.harbor import needs_harbor
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "harbor"
 FIXTURES = REPO / "tests" / "harbor"
-
-needs_harbor = pytest.mark.skipif(
-    not os.access(harbor_python(), os.X_OK),
-    reason=f"Harbor's venv is missing ({harbor_python()}): `make install` (and so `make test`) "
-           "makes it")
 
 keys = st.text(st.characters(categories=["Ll"]), min_size=1, max_size=8)
 rewards = st.dictionaries(keys, st.floats(-10, 10, allow_nan=False), max_size=5)
@@ -232,14 +227,14 @@ def test_agent_phase_reaches_only_the_gateway_with_its_key(gateway, vllm_server,
 @needs_harbor
 async def test_ctrl_c_stops_the_trial_and_its_sandbox(tmp_path):
     """SIGINT while a trial's agent runs: the CLI exits 130, the rollout is finished as
-    interrupted (against a STAND-IN admin API, tests/test_sandbox_runner.py), and the trial's
-    sandbox is gone with every process in it."""
+    interrupted (against a STAND-IN admin API, tests/support/stand_in_admin.py), and the
+    trial's sandbox is gone with every process in it."""
     import asyncio
     import shutil
     import signal
 
-    from tests.test_sandbox_runner import ADMIN_KEY as STAND_IN_KEY
-    from tests.test_sandbox_runner import StandInAdminAPI
+    from tests.support.stand_in_admin import ADMIN_KEY as STAND_IN_KEY
+    from tests.support.stand_in_admin import StandInAdminAPI
 
     task = tmp_path / "tasks" / "slow"
     shutil.copytree(EXAMPLES / "hello-world", task)
@@ -274,7 +269,7 @@ async def test_ctrl_c_stops_the_trial_and_its_sandbox(tmp_path):
         await api.stop()
 
 
-# Claude Code's default tools are over the tiny model's context (tests/test_harness_clis.py);
+# Claude Code's default tools are over the tiny model's context (tests/system/test_harness_clis.py);
 # Bash alone keeps the prompt inside it.
 CLAUDE_DISALLOWED = ("Agent,Task,Glob,Grep,Read,Edit,Write,MultiEdit,NotebookEdit,NotebookRead,"
                      "TodoWrite,WebFetch,WebSearch,BashOutput,KillShell,KillBash,ExitPlanMode,"
