@@ -224,7 +224,7 @@ def _limits(base, args: argparse.Namespace):
     return msgspec.structs.replace(base, **changes)
 
 
-def _backend(args: argparse.Namespace):
+def build_backend(args: argparse.Namespace):
     local_options = {
         "root": args.sandbox_root,
         "use_cgroup": not args.no_cgroup,
@@ -384,7 +384,7 @@ def main(args: argparse.Namespace) -> int:
         from sandbox.confine import ConfinementError
 
         try:
-            backend = _backend(args)
+            backend = build_backend(args)
         except ConfinementError as exc:
             print(f"rolltap rollouts: {exc}", file=sys.stderr)
             return 2
@@ -444,7 +444,7 @@ def main(args: argparse.Namespace) -> int:
 
             backend = make_backend(args, harbor_agent)
         else:
-            backend = _backend(args)
+            backend = build_backend(args)
     except (ConfinementError, ValueError) as exc:
         print(f"rolltap rollouts: {exc}", file=sys.stderr)
         return 2

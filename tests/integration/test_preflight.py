@@ -127,7 +127,7 @@ def test_a_harbor_agents_provider_prefix_is_not_part_of_the_served_name(provider
     assert model_problem("http://gw", model, [model.partition("/")[2]], []) is not None
 
 
-_SHAPE = st.fixed_dictionaries({name: st.integers(1, 4) for name in preflight._SHAPE_FIELDS})
+_SHAPE = st.fixed_dictionaries({name: st.integers(1, 4) for name in preflight.SHAPE_FIELDS})
 
 
 @given(_SHAPE, _SHAPE)

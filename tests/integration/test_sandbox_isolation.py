@@ -401,8 +401,8 @@ def test_cli_flags():
     cli.register(parser.add_subparsers())
     common = ["rollouts", "t.jsonl", "--harness", "command", "--group-size", "1",
               "--gateway", "http://127.0.0.1:9"]
-    assert cli._backend(parser.parse_args(common)).isolation == "bwrap"
-    off = cli._backend(parser.parse_args([*common, "--isolation", "none", "--ro-path", "/opt",
+    assert cli.build_backend(parser.parse_args(common)).isolation == "bwrap"
+    off = cli.build_backend(parser.parse_args([*common, "--isolation", "none", "--ro-path", "/opt",
                                           "--gateway-socket", "/run/gw.sock"]))
     assert (off.isolation, off.read_only_paths, off.gateway_socket) == (
         "none", ("/opt",), "/run/gw.sock")

@@ -101,9 +101,9 @@ def test_shared_ends_are_the_longest(a, b, common):
     pre = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     rest = min(len(a), len(b)) - pre
     suf = next((i for i in range(rest) if a[-1 - i] != b[-1 - i]), rest)
-    assert bodies._ends(a, b) == (pre, suf)
+    assert bodies.shared_ends(a, b) == (pre, suf)
     for known in range(pre + 1):  # a prefix known to be shared changes nothing
-        assert bodies._ends(a, b, known) == (pre, suf)
+        assert bodies.shared_ends(a, b, known) == (pre, suf)
 
 
 def test_a_delta_stores_only_what_the_child_adds():

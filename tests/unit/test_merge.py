@@ -14,9 +14,9 @@ from gateway.merge import (
     SIDE_CALLS,
     CallTokens,
     MergeOptions,
+    Packed,
+    Prefixes,
     TooManyCalls,
-    _Packed,
-    _Prefixes,
     best_base,
     common_prefix_len,
     merge,
@@ -442,13 +442,13 @@ def live_calls(calls):
 @given(tangles())
 def test_common_prefixes_match_brute_force(calls):
     live = live_calls(calls)
-    prefixes = _Prefixes(_Packed(live))
+    prefixes = Prefixes(Packed(live))
     for i, a in enumerate(live):
         assert prefixes.row(i).tolist() == [brute_force_lcp(full(a).tolist(), full(b).tolist())
                                             for b in live]
 
 
-class MatrixPrefixes(_Prefixes):
+class MatrixPrefixes(Prefixes):
     """The merge's former common-prefix table: every pair's, an n x n matrix (parents are
     checked against brute force in test_merge_invariants_hold_for_any_calls)."""
 
@@ -467,7 +467,7 @@ class MatrixPrefixes(_Prefixes):
 def test_merge_equals_the_merge_over_the_whole_matrix(calls, options):
     result = merge(calls, options)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr("gateway.merge._Prefixes", MatrixPrefixes)
+        m.setattr("gateway.merge.Prefixes", MatrixPrefixes)
         reference = merge(calls, options)
     assert canonical(result) == canonical(reference)
     assert result.abandoned == reference.abandoned
