@@ -65,38 +65,50 @@ def imported_from(node: ast.ImportFrom, package: str) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def imports(tree: ast.AST, package: str) -> Iterator[tuple[str, str | None, str, int]]:
+    """(module, name imported from it or None for a plain `import`, local name it is bound
+    to, line) for each import, relative ones resolved."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            origin = imported_from(node, package)
+            for alias in node.names:
+                yield origin, alias.name, alias.asname or alias.name, node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                local = alias.asname or alias.name.split(".")[0]
+                yield alias.name if alias.asname else local, None, local, node.lineno
+
+
 def private_uses(source: str, module: str, package: str) -> Iterator[tuple[str, int]]:
     """(private name of another project module, line) for each `from m import _x` and each
     `m._x` where `m` names a project module imported here."""
     tree = ast.parse(source)
     modules: dict[str, str] = {}  # local name -> project module it is bound to
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            origin = imported_from(node, package)
-            if origin.split(".")[0] not in PACKAGES:
-                continue
-            for alias in node.names:
-                target = f"{origin}.{alias.name}"
-                if is_module(target):
-                    modules[alias.asname or alias.name] = target
-                elif is_private(alias.name):
-                    yield target, node.lineno
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.split(".")[0] in PACKAGES:
-                    local = alias.asname or alias.name.split(".")[0]
-                    modules[local] = alias.name if alias.asname else local
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Attribute) and is_private(node.attr)):
+    for origin, name, local, line in imports(tree, package):
+        target = origin if name is None else f"{origin}.{name}"
+        if origin.split(".")[0] not in PACKAGES:
             continue
-        chain, value = [], node.value
-        while isinstance(value, ast.Attribute):
-            chain.append(value.attr)
-            value = value.value
-        if isinstance(value, ast.Name) and value.id in modules:
-            owner = ".".join([modules[value.id], *reversed(chain)])
-            if owner != module and is_module(owner):
-                yield f"{owner}.{node.attr}", node.lineno
+        if is_module(target):
+            modules[local] = target
+        elif is_private(name):
+            yield target, line
+    for node in ast.walk(tree):
+        owner = attribute_owner(node, modules)
+        if owner is not None and owner != module and is_module(owner):
+            yield f"{owner}.{node.attr}", node.lineno
+
+
+def attribute_owner(node: ast.AST, modules: dict[str, str]) -> str | None:
+    """For `m.sub._x`, with `m` bound to a project module: the dotted owner of `_x`."""
+    if not (isinstance(node, ast.Attribute) and is_private(node.attr)):
+        return None
+    chain, value = [], node.value
+    while isinstance(value, ast.Attribute):
+        chain.append(value.attr)
+        value = value.value
+    if not (isinstance(value, ast.Name) and value.id in modules):
+        return None
+    return ".".join([modules[value.id], *reversed(chain)])
 
 
 def test_the_scan_finds_both_forms_and_resolves_relative_imports():
@@ -132,63 +144,33 @@ def test_no_private_name_is_used_across_modules():
 # -- the gateway's import depth ---------------------------------------------------------------
 
 
-def longest_chain(imports: dict[str, set[str]]) -> list[str]:
-    """The longest chain of modules each importing the next. A cycle is one floor: its
-    modules are collapsed first (Tarjan's strongly connected components, iteratively)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    on_stack: set[str] = set()
-    stack: list[str] = []
-    component: dict[str, int] = {}
-    members: list[list[str]] = []
-    for root in sorted(imports):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(imports[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(imports[child]))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                group = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component[member] = len(members)
-                    group.append(member)
-                    if member == node:
-                        break
-                members.append(sorted(group))
-    # Tarjan closes a component only after every component it reaches: sinks come first.
-    floors = [0] * len(members)
-    below: list[int | None] = [None] * len(members)
-    for c, group in enumerate(members):
-        for member in group:
-            for child in imports[member]:
-                d = component[child]
-                if d != c and floors[d] > floors[c]:
-                    floors[c], below[c] = floors[d], d
-        floors[c] += 1
-    c: int | None = max(range(len(members)), key=floors.__getitem__, default=None)
-    chain = []
-    while c is not None:
-        chain.append("+".join(members[c]))
-        c = below[c]
-    return chain
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = {start}, [start]
+    while todo:
+        for child in graph[todo.pop()] - seen:
+            seen.add(child)
+            todo.append(child)
+    return seen
+
+
+def longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest chain of modules each importing the next. A cycle is one floor: modules
+    that reach each other are collapsed into one (a few dozen modules: reachability per
+    module is cheap)."""
+    reach = {m: reachable(graph, m) for m in graph}
+    floor_of = {m: "+".join(sorted(n for n in reach[m] if m in reach[n])) for m in graph}
+    below = {f: set() for f in floor_of.values()}
+    for m, children in graph.items():
+        below[floor_of[m]] |= {floor_of[c] for c in children} - {floor_of[m]}
+    chains: dict[str, list[str]] = {}
+
+    def chain_from(floor: str) -> list[str]:
+        if floor not in chains:
+            rest = max((chain_from(f) for f in sorted(below[floor])), key=len, default=[])
+            chains[floor] = [floor, *rest]
+        return chains[floor]
+
+    return max((chain_from(f) for f in sorted(below)), key=len, default=[])
 
 
 def test_longest_chain_counts_a_cycle_as_one_floor():
@@ -200,8 +182,7 @@ def test_longest_chain_counts_a_cycle_as_one_floor():
 @pytest.fixture(scope="module")
 def gateway_chain() -> list[str]:
     graph = grimp.build_graph("gateway", cache_dir=None)
-    imports = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
-    chain = longest_chain(imports)
+    chain = longest_chain({m: graph.find_modules_directly_imported_by(m) for m in graph.modules})
     print(f"the gateway's import depth: {len(chain)} floors (at most {MAX_DEPTH}): "
           + " -> ".join(chain))
     return chain
