@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 HARBOR_VENV  := .venv-harbor
 HARBOR_STAMP := $(HARBOR_VENV)/.installed
 
-.PHONY: install deps bench-deps test test-slow demo demo-real bench lint clean gpu-check
+.PHONY: install deps bench-deps test test-unit test-slow demo demo-real bench lint clean gpu-check
 
 install: deps $(STAMP) $(HARBOR_STAMP)
 
@@ -70,6 +70,11 @@ $(HARBOR_STAMP): Makefile $(STAMP) sandbox/harbor/mini-swe-agent.txt
 test: install
 	$(BIN)/python -m pytest -q -ra -m "not slow"
 
+# The inner loop: tests/unit only, which start nothing (no vLLM, Postgres, sandbox or child
+# process; tests/unit/conftest.py fails a test that does). A few minutes on 2 cores.
+test-unit: install
+	$(BIN)/python -m pytest -q -ra -m "not slow" tests/unit
+
 # Tests of whole demo runs, many minutes each (tests marked `slow`); CI runs them after `make test`.
 test-slow: install
 	$(BIN)/python -m pytest -q -ra -m slow
@@ -82,8 +87,9 @@ demo-real: install
 	$(BIN)/rolltap demo --model smol
 
 # podman, for the bench's rows beside rolltap's own sandboxes and the opt-in podman test of
-# tests/test_harbor.py: runc because crun fails on these kernels' hybrid cgroups; its settings
-# are sandbox/harbor/containers.conf (CONTAINERS_CONF), not /etc. Not part of `make install`.
+# tests/integration/test_harbor.py: runc because crun fails on these kernels' hybrid cgroups;
+# its settings are sandbox/harbor/containers.conf (CONTAINERS_CONF), not /etc. Not part of
+# `make install`.
 PODMAN_DEBS := podman runc
 bench-deps:
 	@if ! command -v podman >/dev/null || ! command -v runc >/dev/null; then \
@@ -103,8 +109,8 @@ lint: install
 	$(BIN)/lint-imports
 
 # On a GPU node (at least two GPUs): vLLM and the bridge with NCCL weight sync for 2 optimizer
-# steps of the tiny model, PASS or FAIL per stage (sandbox/gpu_check.py). Its own environment
-# (the CUDA build of vLLM, not the CPU one the tests use). Without a GPU it stops at the first
+# steps of the tiny model, PASS or FAIL per stage (trainer_bridge/stack/gpu_check.py). Its own
+# environment (the CUDA build of vLLM, not the CPU one the tests use). Without a GPU it stops at the first
 # stage, before installing anything.
 GPU_VENV  := .venv-gpu
 GPU_STAMP := $(GPU_VENV)/.installed
@@ -116,9 +122,9 @@ $(GPU_STAMP): pyproject.toml
 	touch $(GPU_STAMP)
 
 gpu-check:
-	$(PY) -m sandbox.gpu_check --preflight
+	$(PY) -m trainer_bridge.stack.gpu_check --preflight
 	$(MAKE) $(GPU_STAMP)
-	$(GPU_VENV)/bin/python -m sandbox.gpu_check
+	$(GPU_VENV)/bin/python -m trainer_bridge.stack.gpu_check
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) $(HARBOR_VENV) .cache .pytest_cache

@@ -170,11 +170,8 @@ class LoadResult(msgspec.Struct, kw_only=True):
     system_cpu_s: dict[str, float]
 
 
-async def loadgen(spec: LoadSpec) -> LoadResult:
-    """Drives one simulated harness per key against `spec.url`, each sending the recorded
-    request one call after another over a keep-alive connection."""
-    import aiohttp
-
+def request_body(spec: LoadSpec) -> bytes:
+    """The recorded harness request, shaped as `spec` asks."""
     request = json.loads(standin.REQUEST.read_text())
     if spec.context_tokens:
         request = context_request(request, spec.context_tokens)
@@ -184,27 +181,38 @@ async def loadgen(spec: LoadSpec) -> LoadResult:
         request["messages"] += json.loads(TOOL_ROUND.read_text())
     if spec.stream:
         request.update(stream=True, stream_options={"include_usage": True})
-    body = json.dumps(request).encode()
+    return json.dumps(request).encode()
+
+
+async def read_stream(resp) -> tuple[float, float, int]:
+    """A streamed response read to its end: the times of its first and last chunk, and how
+    many there were."""
+    first = last = 0.0
+    n = 0
+    final = b""
+    async for line in resp.content:
+        if line.startswith(b"data:"):
+            last = time.perf_counter()
+            if not n:
+                first = last
+            n += 1
+            final = line
+    if final.strip() != b"data: [DONE]":
+        raise RuntimeError(f"stream did not end with [DONE]: {final[:300]!r}")
+    return first, last, n
+
+
+async def loadgen(spec: LoadSpec) -> LoadResult:
+    """Drives one simulated harness per key against `spec.url`, each sending the recorded
+    request one call after another over a keep-alive connection."""
+    import aiohttp
+
+    body = request_body(spec)
     url = spec.url + "/v1/chat/completions"
     res = LoadResult(
         sent=0, ok=0, errors=0, first_error=None, wall_s=0.0, latency_s=[], ttfc_s=[],
         gap_s=[], chunks=[], cpu_s={}, system_cpu_s={},
     )  # fmt: skip
-
-    async def read_stream(resp) -> tuple[float, float, int]:
-        first = last = 0.0
-        n = 0
-        final = b""
-        async for line in resp.content:
-            if line.startswith(b"data:"):
-                last = time.perf_counter()
-                if not n:
-                    first = last
-                n += 1
-                final = line
-        if final.strip() != b"data: [DONE]":
-            raise RuntimeError(f"stream did not end with [DONE]: {final[:300]!r}")
-        return first, last, n
 
     async def call(session, headers, keep: bool) -> None:
         res.sent += 1

@@ -261,8 +261,8 @@ def merge(calls: Sequence[CallTokens], options: MergeOptions = MergeOptions()) -
     if len({c.id for c in ordered}) != len(ordered):
         raise ValueError("duplicate call ids")
     live = [c for c in ordered if c.prompt_ids.size or c.completion_ids.size]
-    packed = _Packed(live)
-    prefixes = _Prefixes(packed)
+    packed = Packed(live)
+    prefixes = Prefixes(packed)
     parent = _find_parents(packed, prefixes)
     forest = _Forest(packed, parent, prefixes,
                      np.array([c.offered_tools for c in live], dtype=bool))
@@ -353,7 +353,7 @@ def _retried(calls: Sequence[CallTokens], parent: np.ndarray) -> np.ndarray:
     return retried
 
 
-class _Packed:
+class Packed:
     """Every call's prompt + completion in one buffer, so probes and comparisons are gathers."""
 
     def __init__(self, calls: Sequence[CallTokens]) -> None:
@@ -372,7 +372,7 @@ class _Packed:
         return self.tokens[self.off[i] : self.off[i] + self.P[i]]
 
 
-def _find_parents(packed: _Packed, prefixes: _Prefixes) -> np.ndarray:
+def _find_parents(packed: Packed, prefixes: Prefixes) -> np.ndarray:
     """Index of each call's parent (-1 for a root); calls in (seq, id) order, none empty.
 
     One pass over the full sequences in lexicographic order keeps a stack of those that open
@@ -407,12 +407,12 @@ def _find_parents(packed: _Packed, prefixes: _Prefixes) -> np.ndarray:
     return parent
 
 
-class _Prefixes:
+class Prefixes:
     """Common-prefix lengths between the calls' full sequences in memory linear in the calls:
     with the sequences sorted lexicographically, the common prefix of two is the smallest of
     the adjacent ones between them (not an n x n matrix: 13.5 GiB at 40,000 calls)."""
 
-    def __init__(self, packed: _Packed) -> None:
+    def __init__(self, packed: Packed) -> None:
         n = packed.F.size
         self.F = packed.F
         # Fixed-width big-endian bytes order as the token sequences do, a prefix first.
@@ -438,7 +438,7 @@ class _Forest:
     """The parent forest with retries, forks, their causes and the root-to-leaf paths."""
 
     def __init__(
-        self, packed: _Packed, parent: np.ndarray, prefixes: _Prefixes, tools: np.ndarray
+        self, packed: Packed, parent: np.ndarray, prefixes: Prefixes, tools: np.ndarray
     ) -> None:
         n = parent.size
         self.packed, self.parent, self.prefixes = packed, parent, prefixes
@@ -541,7 +541,7 @@ def _preorder(roots: list[int], children: list[list[int]]) -> list[int]:
 
 def _sequences(
     live: Sequence[CallTokens],
-    packed: _Packed,
+    packed: Packed,
     forest: _Forest,
     blocked: np.ndarray,
     side: bool,

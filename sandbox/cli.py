@@ -102,6 +102,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "the runner races ahead of training (default: no limit)")
     run.add_argument("--state", metavar="FILE",
                      help="JSONL of finished rollouts; rerun with the same file to resume")
+    run.add_argument("--run-id", metavar="ID",
+                     help="the run id of a new run, stamped on its rollouts' metadata "
+                          "(`rolltap bridge --match run_id=ID` trains on them; default: a "
+                          "random one); a resumed --state file keeps its own")
     run.add_argument("--crash-reward", choices=["zero", "null", "verify"], default="zero",
                      help="reward of a crashed or timed-out harness (default zero)")
     run.add_argument("--task", action="append", metavar="ID", dest="task_ids",
@@ -220,7 +224,7 @@ def _limits(base, args: argparse.Namespace):
     return msgspec.structs.replace(base, **changes)
 
 
-def _backend(args: argparse.Namespace):
+def build_backend(args: argparse.Namespace):
     local_options = {
         "root": args.sandbox_root,
         "use_cgroup": not args.no_cgroup,
@@ -253,18 +257,38 @@ def _findable(harness) -> bool:
     return True
 
 
+def _summary(args: argparse.Namespace, report, backend) -> list:
+    """Print the run's summary table and notes; returns the finished rollouts (with --state,
+    those of earlier runs of the state file too)."""
+    from sandbox.summary import format_table, isolation_line, summarize
+
+    records = list(report.finished)
+    if args.state:
+        from sandbox.state import StateFile
+
+        records = list(StateFile(args.state).load()[1].values())
+    errors: dict[str, int] = {}
+    for e in report.errors:
+        errors[e.task_id] = errors.get(e.task_id, 0) + 1
+    print()
+    print(format_table(summarize(records, errors)))
+    print(isolation_line(records, args.isolation))
+    if getattr(backend, "trials_dir", None):
+        print(f"Harbor trials: {backend.trials_dir}")
+    if report.skipped:
+        print(f"({report.skipped} rollouts were finished by an earlier run of this state file)")
+    if args.max_backlog is not None:
+        print(f"waited {report.waited_for_trainer_s:.0f} s for the trainer (--max-backlog "
+              f"{args.max_backlog})")
+    return records
+
+
 async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend) -> int:
     import asyncio
     import signal
 
     from sandbox.runner import run_rollouts
-    from sandbox.summary import (
-        error_line,
-        format_table,
-        isolation_line,
-        progress_line,
-        summarize,
-    )
+    from sandbox.summary import error_line, progress_line
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -293,29 +317,13 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
             group_size=args.group_size, backend=backend, concurrency=args.concurrency,
             repeat=args.repeat, state_path=args.state, crash_reward=args.crash_reward,
             stop=stop, on_finished=finished, on_error=failed, max_backlog=args.max_backlog,
+            run_id=args.run_id,
         )
     finally:
         aclose = getattr(backend, "aclose", None)  # a backend with a worker of its own
         if aclose is not None:
             await aclose()
-    records = list(report.finished)
-    if args.state:
-        from sandbox.state import StateFile
-
-        records = list(StateFile(args.state).load()[1].values())
-    errors: dict[str, int] = {}
-    for e in report.errors:
-        errors[e.task_id] = errors.get(e.task_id, 0) + 1
-    print()
-    print(format_table(summarize(records, errors)))
-    print(isolation_line(records, args.isolation))
-    if getattr(backend, "trials_dir", None):
-        print(f"Harbor trials: {backend.trials_dir}")
-    if report.skipped:
-        print(f"({report.skipped} rollouts were finished by an earlier run of this state file)")
-    if args.max_backlog is not None:
-        print(f"waited {report.waited_for_trainer_s:.0f} s for the trainer (--max-backlog "
-              f"{args.max_backlog})")
+    records = _summary(args, report, backend)
     if report.interrupted:
         left = report.total - len(records)
         resume = f"; rerun with --state {args.state} to do them" if args.state else ""
@@ -366,72 +374,91 @@ async def _probe(args: argparse.Namespace, admin_key: str, backend) -> int:
     return 0
 
 
+def _flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags of a run (not a probe), before anything loads."""
+    missing = [flag for flag, value in (("TASKS.jsonl", args.tasks), ("--harness", args.harness),
+                                        ("--group-size", args.group_size)) if value is None]
+    if missing:
+        return f"give {', '.join(missing)} (or --probe)"
+    if args.max_backlog is not None and args.max_backlog < args.group_size:
+        return (f"--max-backlog ({args.max_backlog}) must be at least --group-size "
+                f"({args.group_size}): a bridge trains whole groups")
+    if args.run_id and args.state:
+        from sandbox.state import StateFile
+
+        header = StateFile(args.state).load()[0]
+        if header is not None and header.run_id != args.run_id:
+            return (f"--state {args.state} belongs to run {header.run_id}, not --run-id "
+                    f"{args.run_id}")
+    return None
+
+
+def _load(args: argparse.Namespace, harbor_agent: str | None):
+    """The tasks to run (those of --task, if given) and the harness; raises TaskFileError or
+    ValueError, each saying what to fix."""
+    from sandbox.tasks import TaskFileError, load_tasks
+
+    if harbor_agent is not None:
+        from sandbox.harbor.tasks import load_harbor_tasks
+        from sandbox.presets import Harness
+
+        tasks = load_harbor_tasks(args.tasks)
+        harness = Harness(preset=args.harness, model=args.model)
+    elif os.path.isdir(args.tasks):
+        raise TaskFileError(f"{args.tasks} is a directory: Harbor tasks run with --harness "
+                            "harbor:AGENT (e.g. harbor:oracle); other harnesses take a "
+                            "JSONL task file")
+    else:
+        tasks = load_tasks(args.tasks)
+        harness = _harness(args)
+    if args.task_ids:
+        unknown = set(args.task_ids) - {t.id for t in tasks}
+        if unknown:
+            raise ValueError(f"unknown task ids: {', '.join(sorted(unknown))}")
+        tasks = [t for t in tasks if t.id in set(args.task_ids)]
+    return tasks, harness
+
+
+def _backend_for(args: argparse.Namespace, harbor_agent: str | None):
+    if harbor_agent is not None:
+        from sandbox.harbor.cli import make_backend
+
+        return make_backend(args, harbor_agent)
+    return build_backend(args)
+
+
 def main(args: argparse.Namespace) -> int:
     import asyncio
 
-    from sandbox.tasks import TaskFileError, load_tasks
+    from sandbox.confine import ConfinementError
+    from sandbox.tasks import TaskFileError
 
     admin_key = args.admin_key or os.environ.get("ROLLTAP_ADMIN_KEY")
     if not admin_key:
         print("rolltap rollouts: give --admin-key or set ROLLTAP_ADMIN_KEY", file=sys.stderr)
         return 2
     if args.probe:
-        from sandbox.confine import ConfinementError
-
         try:
-            backend = _backend(args)
+            backend = build_backend(args)
         except ConfinementError as exc:
             print(f"rolltap rollouts: {exc}", file=sys.stderr)
             return 2
         return asyncio.run(_probe(args, admin_key, backend))
-    missing = [flag for flag, value in (("TASKS.jsonl", args.tasks), ("--harness", args.harness),
-                                        ("--group-size", args.group_size)) if value is None]
-    if missing:
-        print(f"rolltap rollouts: give {', '.join(missing)} (or --probe)", file=sys.stderr)
-        return 2
-    if args.max_backlog is not None and args.max_backlog < args.group_size:
-        print(f"rolltap rollouts: --max-backlog ({args.max_backlog}) must be at least "
-              f"--group-size ({args.group_size}): a bridge trains whole groups",
-              file=sys.stderr)
+    if problem := _flag_problem(args):
+        print(f"rolltap rollouts: {problem}", file=sys.stderr)
         return 2
     from sandbox.harbor.cli import agent_name
 
     try:
         harbor_agent = agent_name(args.harness)
-        if harbor_agent is not None:
-            from sandbox.harbor.tasks import load_harbor_tasks
-            from sandbox.presets import Harness
-
-            tasks = load_harbor_tasks(args.tasks)
-            harness = Harness(preset=args.harness, model=args.model)
-        elif os.path.isdir(args.tasks):
-            raise TaskFileError(f"{args.tasks} is a directory: Harbor tasks run with --harness "
-                                "harbor:AGENT (e.g. harbor:oracle); other harnesses take a "
-                                "JSONL task file")
-        else:
-            tasks = load_tasks(args.tasks)
-            harness = _harness(args)
+        tasks, harness = _load(args, harbor_agent)
     except (TaskFileError, ValueError) as exc:
         print(f"rolltap rollouts: {exc}", file=sys.stderr)
         return 2
-    if args.task_ids:
-        unknown = set(args.task_ids) - {t.id for t in tasks}
-        if unknown:
-            print(f"rolltap rollouts: unknown task ids: {', '.join(sorted(unknown))}",
-                  file=sys.stderr)
-            return 2
-        tasks = [t for t in tasks if t.id in set(args.task_ids)]
     if harbor_agent is None and args.backend == "local" and not _findable(harness):
         return 2
-    from sandbox.confine import ConfinementError
-
     try:
-        if harbor_agent is not None:
-            from sandbox.harbor.cli import make_backend
-
-            backend = make_backend(args, harbor_agent)
-        else:
-            backend = _backend(args)
+        backend = _backend_for(args, harbor_agent)
     except (ConfinementError, ValueError) as exc:
         print(f"rolltap rollouts: {exc}", file=sys.stderr)
         return 2

@@ -321,8 +321,11 @@ async def run_rollouts(
     on_finished: Callable[[FinishedRollout, Progress], None] | None = None,
     on_error: Callable[[ItemError, Progress], None] | None = None,
     max_backlog: int | None = None,
+    run_id: str | None = None,
 ) -> RunReport:
-    """Run every (task, repeat, member) rollout not already in the state file."""
+    """Run every (task, repeat, member) rollout not already in the state file. `run_id` names
+    a new run (a trainer selects its rollouts by it; default: a random one); a resumed state
+    file keeps the run id it was started with."""
     if group_size < 1 or repeat < 1 or concurrency < 1:
         raise ValueError("group_size, repeat and concurrency must be at least 1")
     if max_backlog is not None and max_backlog < group_size:
@@ -331,8 +334,10 @@ async def run_rollouts(
                          f"({group_size})")
     state = StateFile(state_path) if state_path else None
     header, done = state.load() if state else (None, {})
+    if header is not None and run_id is not None and run_id != header.run_id:
+        raise ValueError(f"{state_path} belongs to run {header.run_id}, not {run_id}")
     if header is None:
-        header = RunHeader(run_id=uuid.uuid4().hex[:12], created=time.time())
+        header = RunHeader(run_id=run_id or uuid.uuid4().hex[:12], created=time.time())
         if state:
             state.append(header)
     items = plan(tasks, group_size, repeat, header.run_id, set(done))

@@ -1,6 +1,7 @@
-"""Shared fixtures: a real vLLM (CPU build, the project's tiny model), a fresh Postgres
-database, and real gateway processes."""
+"""The shared fixtures, one plugin module each (tests/fixtures/): a real vLLM (CPU build, the
+project's tiny model), a fresh Postgres database, the session's gateway process, the base image
+of task-image tests. Tests of tests/unit use none of them (tests/unit/conftest.py checks)."""
 
-from tests.support.gateway import *  # noqa: F403
-from tests.support.postgres import *  # noqa: F403
-from tests.support.vllm import *  # noqa: F403
+from tests.fixtures import PLUGINS
+
+pytest_plugins = PLUGINS

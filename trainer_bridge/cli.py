@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 DESCRIPTION = """Train MODEL with TRL's AsyncGRPO trainer on the rollouts the gateway recorded.
 
@@ -168,6 +169,43 @@ def _trainer_sampling(config) -> dict[str, float]:
     return trainer_sampling({**defaults, "temperature": config.temperature, **config.overrides})
 
 
+def _refusal(config, cuda: bool) -> str | None:
+    """Why the settings cannot run here, before anything loads."""
+    if not config.admin_key:
+        return "--admin-key (or ROLLTAP_ADMIN_KEY) is required"
+    if config.weight_sync == "nccl" and not cuda:
+        return ("--weight-sync nccl needs CUDA (TRL's NCCL transfer runs between GPUs); use "
+                "--weight-sync disk on this machine")
+    if config.weight_sync == "nccl" and len(config.vllm) != 1:
+        return ("--weight-sync nccl talks to exactly one vLLM; use --weight-sync disk for "
+                "several replicas")
+    return None
+
+
+def _warn_unsynced(unsynced: list[tuple[str, str]]) -> None:
+    for gateway, upstream in unsynced:
+        print(f"warning: gateway {gateway} routes to {upstream}, which is not a --vllm of this "
+              "bridge: unless it is one of them under another name, it keeps its weights while "
+              "its tokens get the new versions", file=sys.stderr, flush=True)
+
+
+def _disk_sync(config, output_dir: Path, resume_from: Path | None):
+    """The disk weight sync of `--weight-sync disk`; None with NCCL (TRL builds that one)."""
+    if config.weight_sync != "disk":
+        return None
+    from trainer_bridge.resume import resumable
+    from trainer_bridge.weights import DiskWeightSync
+
+    return DiskWeightSync(
+        config.model,
+        config.checkpoint_dir or output_dir / "weights",
+        config.vllm,
+        keep=config.keep_checkpoints,
+        resumable=resumable,
+        protected=[resume_from] if resume_from else [],
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
     from trainer_bridge import preflight
     from trainer_bridge.config import BridgeConfig
@@ -185,18 +223,9 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(resolved_config(config, device), indent=2), flush=True)
         return 0
     _offline(device)
-    if not config.admin_key:
-        print("error: --admin-key (or ROLLTAP_ADMIN_KEY) is required", file=sys.stderr)
+    if refusal := _refusal(config, torch.cuda.is_available()):
+        print(f"error: {refusal}", file=sys.stderr)
         return 2
-    if config.weight_sync == "nccl":
-        if not torch.cuda.is_available():
-            print("error: --weight-sync nccl needs CUDA (TRL's NCCL transfer runs between GPUs); "
-                  "use --weight-sync disk on this machine", file=sys.stderr)
-            return 2
-        if len(config.vllm) != 1:
-            print("error: --weight-sync nccl talks to exactly one vLLM; use --weight-sync disk "
-                  "for several replicas", file=sys.stderr)
-            return 2
     # Before the model loads: what is not there is said within seconds.
     if problems := preflight.problems(config):
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
@@ -210,11 +239,10 @@ def _run(args: argparse.Namespace) -> int:
 
     from trainer_bridge.policy import SamplingMismatch, check_sampling
     from trainer_bridge.progress import Progress
-    from trainer_bridge.resume import StateWriter, resumable
+    from trainer_bridge.resume import StateWriter
     from trainer_bridge.source import RolloutSource
     from trainer_bridge.trainer import KernelUnavailable, make_trainer
     from trainer_bridge.weights import (
-        DiskWeightSync,
         NcclWeightSync,
         PauseLease,
         PolicyAnnouncer,
@@ -232,11 +260,8 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     database_url = _database_url(config)
     announcer.use_database(database_url)
-    for gateway, upstream in unsynced_upstreams(
-            gateway_upstreams(config.gateway, config.admin_key), config.vllm):
-        print(f"warning: gateway {gateway} routes to {upstream}, which is not a --vllm of this "
-              "bridge: unless it is one of them under another name, it keeps its weights while "
-              "its tokens get the new versions", file=sys.stderr, flush=True)
+    _warn_unsynced(unsynced_upstreams(gateway_upstreams(config.gateway, config.admin_key),
+                                      config.vllm))
     output_dir = config.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     resume_from, history = _resume_point(config, database_url)
@@ -245,16 +270,7 @@ def _run(args: argparse.Namespace) -> int:
         config.source_config(database_url, version_offset=announcer.offset),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
     )
-    disk = None
-    if config.weight_sync == "disk":
-        disk = DiskWeightSync(
-            config.model,
-            config.checkpoint_dir or output_dir / "weights",
-            config.vllm,
-            keep=config.keep_checkpoints,
-            resumable=resumable,
-            protected=[resume_from] if resume_from else [],
-        )
+    disk = _disk_sync(config, output_dir, resume_from)
     lease = PauseLease(config.gateway, config.admin_key, config.vllm, config.pause_lease_seconds)
     try:
         trainer = make_trainer(

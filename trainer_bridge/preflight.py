@@ -24,15 +24,16 @@ TIMEOUT_S = 5.0
 # The pair `make test` runs (pyproject.toml pins both). TRL 1.16 warns at import that it
 # supports vLLM 0.22-0.31; the bridge talks to vLLM 0.32 over HTTP only (/pause, /resume,
 # /collective_rpc reload_weights, /reset_prefix_cache, /server_info) on the CPU, and on GPUs
-# through TRL's NCCL weight transfer, which tests/test_nccl_sync.py and `make gpu-check` cover.
+# through TRL's NCCL weight transfer, which tests/integration/test_nccl_sync.py and
+# `make gpu-check` cover.
 CHECKED_TRL = "1.16.0"
 CHECKED_VLLM = "0.32.0"
 _VLLM_WARNING = (r"TRL currently supports vLLM versions from 0\.22\.0 to 0\.31\.0\. "
                  r"You have version ")
 # config.json fields that fix the shapes of a model's weights: a checkpoint with other values
 # cannot be loaded into the engine in place.
-_SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "intermediate_size")
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "intermediate_size")
 
 
 def _installed(*names: str) -> str | None:
@@ -70,7 +71,7 @@ def _shape(model_dir: Path) -> dict | None:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return {name: config.get(name) for name in _SHAPE_FIELDS}
+    return {name: config.get(name) for name in SHAPE_FIELDS}
 
 
 def shape_problem(url: str, served_root: str, model: str,
@@ -80,7 +81,7 @@ def shape_problem(url: str, served_root: str, model: str,
     its copy by a path that means nothing on this one."""
     if served is None or trained is None:
         return None
-    for name in _SHAPE_FIELDS:
+    for name in SHAPE_FIELDS:
         if served[name] != trained[name]:
             return (f"vLLM at {url} serves {served_root}, not the model of --model {model} "
                     f"({name} {served[name]} there, {trained[name]} here): train the model the "

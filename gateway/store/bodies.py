@@ -70,7 +70,7 @@ def unwhole(stored: bytes) -> bytes:
     return _plain()[1].decompress(stored)
 
 
-def _ends(parent: bytes, child: bytes, known: int = 0) -> tuple[int, int]:
+def shared_ends(parent: bytes, child: bytes, known: int = 0) -> tuple[int, int]:
     """(shared prefix, shared suffix) lengths; the suffix never overlaps the prefix. `known`: a
     prefix length they are known to share."""
     shortest = min(len(parent), len(child))
@@ -88,7 +88,7 @@ def delta(parent: bytes, child: bytes, reply: bytes = b"", known: int = 0) -> by
     """`child` stored against `parent`: `apply(parent, delta(parent, child, r), r) == child`.
     `reply`: what the parent call returned (its stored response summary), which the child
     usually sends back. `known`: a prefix length the two are known to share."""
-    pre, suf = _ends(parent, child, known)
+    pre, suf = shared_ends(parent, child, known)
     d = _dict(parent[pre : len(parent) - suf] + reply)
     cctx = _plain()[0] if d is None else zstandard.ZstdCompressor(level=LEVEL, dict_data=d)
     return _HEADER.pack(pre, suf) + cctx.compress(child[pre : len(child) - suf])

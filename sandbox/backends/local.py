@@ -160,9 +160,11 @@ class _Sandbox:
             chown_tree(dirs.root, uid, skip=OVERLAY)
 
     async def hold_image(self, stack: contextlib.ExitStack) -> str | None:
-        """The task image's root filesystem, held until `stack` closes; why not, if it cannot
-        be had."""
+        """The task image's root filesystem (if the task has one), held until `stack` closes;
+        why not, if it cannot be had."""
         task = self.request.task
+        if task.image is None and task.build is None:
+            return None
         if not self.confined:
             return "task images need --isolation bwrap (an image is the sandbox's root)"
         if not self.own_uids:
@@ -194,15 +196,22 @@ class _Sandbox:
             return argv
         return hostexec.wrap(argv, lambda name: shutil.which(name, path=self.path))
 
+    def confined_argv(self, argv: list[str]) -> tuple[list[str], list[str], str]:
+        """The harness's argv as the host runs it, and the shell (with its prelude) that
+        forwards the gateway inside; raises hostexec.HostProgramError."""
+        if self.rootfs is None:
+            return self.host_argv(argv), ["/bin/sh"], ""
+        return (self.host_argv(argv), self.host_argv(["/bin/sh"]),
+                hostexec.host_shell_prelude(FORWARDER_TOOLS))
+
     async def run(self, stack: contextlib.ExitStack) -> SandboxResult:
         request, backend = self.request, self.backend
         task, harness, access = request.task, request.harness, request.access
         isolation: Isolation = "bwrap" if self.confined else "none"
         agent_limits = harness_limits(harness)
         inside = INSIDE_DIRS if self.confined else None
-        if task.image is not None or task.build is not None:
-            if problem := await self.hold_image(stack):
-                return self.result("setup_failed", None, f"task image: {problem}")
+        if problem := await self.hold_image(stack):
+            return self.result("setup_failed", None, f"task image: {problem}")
 
         dirs = self.area("agent", agent_limits.disk_mb)
         write_files(dirs.work, task.files)
@@ -228,18 +237,14 @@ class _Sandbox:
         argv, relay, gateway_socket = launch.argv, None, None
         if self.confined:
             try:
-                harness_argv = self.host_argv(launch.argv)
-                shell, prelude = ["/bin/sh"], ""
-                if self.rootfs is not None:
-                    shell = self.host_argv(["/bin/sh"])
-                    prelude = hostexec.host_shell_prelude(FORWARDER_TOOLS)
+                argv, shell, prelude = self.confined_argv(launch.argv)
             except hostexec.HostProgramError as exc:
                 return self.result("setup_failed", None, f"harness: {exc}", setup=setup)
             gateway_socket = backend.gateway_socket
             if gateway_socket is None:
                 relay = await Relay.start(access.openai_base_url)
                 gateway_socket = relay.path
-            argv = forwarded(harness_argv, inside_port(access.openai_base_url), shell, prelude)
+            argv = forwarded(argv, inside_port(access.openai_base_url), shell, prelude)
         try:
             agent = await self.phase(argv, dirs, self.agent_uid, env | launch.env, agent_limits,
                                      task.timeouts.agent_s,

@@ -128,13 +128,8 @@ def _copy(source_fd: int, name: str, uid: int) -> None:
     _give(name, uid)
 
 
-def build(spec: dict, mount) -> None:
-    """In a fresh mount namespace (the caller's is the sandbox's): the view at a fresh tmpfs,
-    made the process's root."""
-    uid, agent = spec["uid"], spec["agent_uid"]
-    os.unshare(os.CLONE_NEWNS)
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    entries = _entries()
+def _open_entries(entries: dict) -> dict[str, int]:
+    """An O_PATH descriptor of each top-level directory and file, never following a link."""
     opened = {}
     for name, (kind, _) in entries.items():
         if kind in ("dir", "file"):
@@ -143,6 +138,13 @@ def build(spec: dict, mount) -> None:
                 opened[name] = os.open("/" + name, os.O_PATH | os.O_NOFOLLOW | with_dir)
             except OSError:
                 continue
+    return opened
+
+
+def _fresh_root(spec: dict, mount, entries: dict, opened: dict[str, int]) -> int:
+    """A fresh tmpfs over one of the directories the view replaces anyway, checked to be the
+    view's own; the process's working directory from now on."""
+    uid = spec["uid"]
     anchor = next((n for n in FRESH if n in opened and entries[n][0] == "dir"), None)
     if anchor is None:
         raise RuntimeError("the sandbox has none of /logs, /tests, /tmp, /root as a directory")
@@ -154,29 +156,45 @@ def build(spec: dict, mount) -> None:
         raise RuntimeError(f"/{anchor} changed under the verifier's root; not the view's own")
     os.fchmod(root, 0o755)
     os.fchdir(root)
-    steps = plan(entries, spec["system"], spec["copy"], agent)
-    for action, name, arg in steps:
-        if action == "link":
-            os.symlink(arg if arg is not None else os.readlink("/" + name), name)
-        elif action == "fresh":
+    return root
+
+
+def _place(step: tuple, spec: dict, mount, entries: dict, opened: dict[str, int]) -> None:
+    """One step of the plan, in the view being built (the working directory)."""
+    action, name, arg = step
+    uid = spec["uid"]
+    if action == "link":
+        os.symlink(arg if arg is not None else os.readlink("/" + name), name)
+    elif action == "fresh":
+        os.mkdir(name)
+        os.chmod(name, arg)
+        os.chown(name, uid, uid)
+    elif name not in opened:
+        return  # gone, or not openable without following a link
+    elif action == "copy":
+        _copy(opened[name], name, uid)
+    else:
+        if entries[name][0] == "dir":
             os.mkdir(name)
-            os.chmod(name, arg)
-            os.chown(name, uid, uid)
-        elif name not in opened:
-            continue  # gone, or not openable without following a link
-        elif action == "copy":
-            _copy(opened[name], name, uid)
         else:
-            kind = entries[name][0]
-            if kind == "dir":
-                os.mkdir(name)
-            else:
-                open(name, "x").close()
-            flags = MS_BIND | (MS_REC if action == "bind_rw" or name not in spec["system"]
-                               else 0)
-            mount(f"/proc/self/fd/{opened[name]}", name, None, flags)
-            if action == "bind":
-                mount(None, name, None, remount_flags(os.statvfs(name).f_flag))
+            open(name, "x").close()
+        flags = MS_BIND | (MS_REC if action == "bind_rw" or name not in spec["system"] else 0)
+        mount(f"/proc/self/fd/{opened[name]}", name, None, flags)
+        if action == "bind":
+            mount(None, name, None, remount_flags(os.statvfs(name).f_flag))
+
+
+def build(spec: dict, mount) -> None:
+    """In a fresh mount namespace (the caller's is the sandbox's): the view at a fresh tmpfs,
+    made the process's root."""
+    uid = spec["uid"]
+    os.unshare(os.CLONE_NEWNS)
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    entries = _entries()
+    opened = _open_entries(entries)
+    root = _fresh_root(spec, mount, entries, opened)
+    for step in plan(entries, spec["system"], spec["copy"], spec["agent_uid"]):
+        _place(step, spec, mount, entries, opened)
     os.makedirs("logs/verifier", exist_ok=True)
     os.chown("logs/verifier", uid, uid)
     workdir = spec["workdir"].strip("/")

