@@ -53,9 +53,6 @@ STREAM_STARTED = "rolltap.stream_started"
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
-# Protocols that pass the engine's id arrays through (or drop them) without reading them; the
-# others only count the prompt ids, and are handed the array the capture holds.
-_PASSES_IDS = frozenset({"chat", "completions"})
 
 
 def sampling_policy(temperature: float) -> dict[str, Any]:
@@ -139,6 +136,8 @@ class _Call:
         self.digest = bodies.digest(raw)
         self.layout: Layout | None = None  # where the body's messages lie, for the next call
         self.retry_count = 0
+        # The protocol passes the engine's prompt ids on unread (Adapter.passes_engine_ids).
+        self.passes_ids = False
         self.turn: Turn | None = None  # the continuation step (chat-completions upstreams)
         self.sent_prompt: bytes | None = None  # the prompt ids sent, as JSON, if echoed back
         # The engine's prompt ids as JSON pieces: as it echoed them, or as they were sent.
@@ -205,6 +204,7 @@ async def relay(
     await svc.check_model(ctx.model)
     call = _Call(svc, rollout_id, proto.name, raw, request.headers.get("User-Agent"))
     call.retry_count = retry_count(request.headers)
+    call.passes_ids = proto.passes_engine_ids
     call.layout = layout
     call.model = ctx.model
     if "messages" in body and not proto.normalises_messages:
@@ -482,7 +482,7 @@ def _engine_payload(call: _Call, raw: bytes) -> dict:
 def _hand_over(call: _Call, holder: dict, text, ids: np.ndarray) -> None:
     """Puts the prompt ids where the engine's response holds them, as the protocol takes them:
     as their JSON `text` (encoded as it is), or as the array."""
-    holder[engine_ids.KEY] = text if call.protocol in _PASSES_IDS else ids
+    holder[engine_ids.KEY] = text if call.passes_ids else ids
 
 
 async def _record_abandoned(call: _Call) -> None:
