@@ -88,7 +88,6 @@ _EMPTY_BLOCK = {
     REASONING: {"type": "thinking", "thinking": "", "signature": ""},
     TEXT: {"type": "text", "text": ""},
 }
-_DELTA = {REASONING: ("thinking_delta", "thinking"), TEXT: ("text_delta", "text")}
 
 
 def message_start(ctx: Context, prompt_tokens: int) -> bytes:
@@ -119,17 +118,6 @@ def block_start(index: int, seg: Segment) -> bytes:
     return event_frame(
         b"content_block_start",
         {"type": "content_block_start", "index": index, "content_block": block},
-    )
-
-
-def block_delta(index: int, kind: str, text: str) -> bytes:
-    if kind == TOOL_CALL:
-        delta = {"type": "input_json_delta", "partial_json": text}
-    else:
-        name, field = _DELTA[kind]
-        delta = {"type": name, field: text}
-    return event_frame(
-        b"content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
     )
 
 
@@ -195,7 +183,20 @@ class Stream(SegmentStream):
                     502, "upstream interleaved the arguments of two tool calls", "upstream_error"
                 )
             self.start(seg)  # text after the finish: a block of its own
-        self.out.append(block_delta(self._index, seg.kind, text))
+        # The per-chunk event, built here rather than by a builder: one call less per chunk.
+        kind = seg.kind
+        if kind == TEXT:
+            delta = {"type": "text_delta", "text": text}
+        elif kind == REASONING:
+            delta = {"type": "thinking_delta", "thinking": text}
+        else:
+            delta = {"type": "input_json_delta", "partial_json": text}
+        self.out.append(
+            event_frame(
+                b"content_block_delta",
+                {"type": "content_block_delta", "index": self._index, "delta": delta},
+            )
+        )
 
     def end(self, seg: Segment) -> None:
         if seg is self._open:
