@@ -16,7 +16,8 @@ from gateway.auth import check_admin
 from gateway.config import GatewayConfig
 from gateway.finalize import merge_rollout
 from gateway.metrics import CONTENT_TYPE_LATEST
-from gateway.protocols import anthropic, chat, completions, openai_common, responses
+from gateway.protocols import anthropic, chat, completions, responses
+from gateway.protocols.adapter import Adapter
 from gateway.protocols.errors import GatewayError
 from gateway.recording import RETRY_AFTER_S
 from gateway.relay import STREAM_STARTED, relay, upstream_error
@@ -33,8 +34,8 @@ _SWEEP_INTERVAL_S = 5.0
 def _renderer(path: str):
     """Errors on the Anthropic surface use Anthropic's shape, everything else OpenAI's."""
     if path.startswith("/v1/messages"):
-        return anthropic.render_error
-    return openai_common.render_error
+        return anthropic.ADAPTER.render_error
+    return chat.ADAPTER.render_error
 
 
 @web.middleware
@@ -102,7 +103,7 @@ async def started_streams(request: web.Request, handler):
         return started
 
 
-def _model_route(proto):
+def _model_route(proto: Adapter):
     async def handler(request: web.Request) -> web.StreamResponse:
         svc: Services = request.app["services"]
         traffic.refuse_if_busy(request, svc.model_requests, svc.config.max_inflight,
@@ -248,10 +249,10 @@ def build_app(config: GatewayConfig, pool: asyncpg.Pool) -> web.Application:
         await svc.close()
 
     app.cleanup_ctx.append(lifecycle)
-    app.router.add_post("/v1/chat/completions", _model_route(chat))
-    app.router.add_post("/v1/completions", _model_route(completions))
-    app.router.add_post("/v1/responses", _model_route(responses))
-    app.router.add_post("/v1/messages", _model_route(anthropic))
+    app.router.add_post("/v1/chat/completions", _model_route(chat.ADAPTER))
+    app.router.add_post("/v1/completions", _model_route(completions.ADAPTER))
+    app.router.add_post("/v1/responses", _model_route(responses.ADAPTER))
+    app.router.add_post("/v1/messages", _model_route(anthropic.ADAPTER))
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/healthz", healthz)

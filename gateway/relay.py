@@ -19,6 +19,7 @@ from gateway import engine_ids
 from gateway.capture import Capture
 from gateway.constraints import CAPTURE_OFF, constraints
 from gateway.continuer import Turn
+from gateway.protocols.adapter import CHAT_PATH, Adapter
 from gateway.protocols.errors import GatewayError
 from gateway.protocols.normalize import normalize_messages
 from gateway.protocols.resumable import Layout
@@ -52,9 +53,6 @@ STREAM_STARTED = "rolltap.stream_started"
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
-# Protocols that pass the engine's id arrays through (or drop them) without reading them; the
-# others only count the prompt ids, and are handed the array the capture holds.
-_PASSES_IDS = frozenset({"chat", "completions"})
 
 
 def sampling_policy(temperature: float) -> dict[str, Any]:
@@ -138,6 +136,8 @@ class _Call:
         self.digest = bodies.digest(raw)
         self.layout: Layout | None = None  # where the body's messages lie, for the next call
         self.retry_count = 0
+        # The protocol passes the engine's prompt ids on unread (Adapter.passes_engine_ids).
+        self.passes_ids = False
         self.turn: Turn | None = None  # the continuation step (chat-completions upstreams)
         self.sent_prompt: bytes | None = None  # the prompt ids sent, as JSON, if echoed back
         # The engine's prompt ids as JSON pieces: as it echoed them, or as they were sent.
@@ -186,35 +186,34 @@ def retry_count(headers) -> int:
 
 
 async def relay(
-    request: web.Request, proto, raw: bytes, rollout_id: uuid.UUID
+    request: web.Request, proto: Adapter, raw: bytes, rollout_id: uuid.UUID
 ) -> web.StreamResponse:
-    """Serve one harness call through `proto` (a module of gateway.protocols)."""
+    """Serve one harness call through `proto`."""
     svc: Services = request.app["services"]
     svc.recording.admit()
     recent = svc.recent.entries(rollout_id) or ()
     req, layout = proto.parse(raw, [c.request for c in reversed(recent) if c.request is not None])
-    svc.metrics.request_decoded(proto.NAME, layout is not None and layout.resumed > 0)
-    stateful = hasattr(proto, "stored_state")  # protocols with server-side conversations
-    if stateful:
+    svc.metrics.request_decoded(proto.name, layout is not None and layout.resumed > 0)
+    history = None
+    if proto.stateful:
         prev_id = proto.previous_id(req)
         # A NUL cannot be in a stored id (nor be sent to Postgres): such an id is not found.
-        known = prev_id and "\x00" not in prev_id
-        history = await _conversation(svc, rollout_id, prev_id) if known else None
-        body, ctx = proto.to_upstream(req, history)
-    else:
-        body, ctx = proto.to_upstream(req)
+        if prev_id and "\x00" not in prev_id:
+            history = await _conversation(svc, rollout_id, prev_id)
+    body, ctx = proto.to_upstream(req, history)
     await svc.check_model(ctx.model)
-    call = _Call(svc, rollout_id, proto.NAME, raw, request.headers.get("User-Agent"))
+    call = _Call(svc, rollout_id, proto.name, raw, request.headers.get("User-Agent"))
     call.retry_count = retry_count(request.headers)
+    call.passes_ids = proto.passes_engine_ids
     call.layout = layout
     call.model = ctx.model
-    if "messages" in body and not getattr(proto, "MESSAGES_NORMALISED", False):
+    if "messages" in body and not proto.normalises_messages:
         body["messages"] = normalize_messages(body["messages"], raw)
-    if stateful:
+    if proto.stateful:
         call.state = lambda resp_body: proto.stored_state(req, ctx, resp_body)
     call.offered_tools = bool(body.get("tools"))
     client_ids = bool(body.get("return_token_ids"))
-    call.requested, call.applied = pin_sampling(body, svc.config.temperature, proto.UPSTREAM_PATH)
+    call.requested, call.applied = pin_sampling(body, svc.config.temperature, proto.upstream_path)
     for key in CAPTURE_OFF:
         if key in body:
             call.requested[key] = body.pop(key)
@@ -235,7 +234,7 @@ async def relay(
         async with svc.pool.acquire() as conn:
             previous = await calls_store.last_upstream(conn, rollout_id)
     call.upstream, call.rerouted = svc.upstreams.route(rollout_id, previous)
-    if proto.UPSTREAM_PATH == "/v1/chat/completions":  # legacy completions has no messages
+    if proto.upstream_path == CHAT_PATH:  # legacy completions has no messages
         call.turn = await svc.continuer.prepare(rollout_id, call.upstream, body)
         if call.turn.prompt_ids is not None:
             call.prompt_json = call.turn.prompt_pieces or (_encode(call.turn.prompt_ids.tolist()),)
@@ -258,7 +257,7 @@ async def relay(
         svc.calls.discard(call)
 
 
-async def _forward(request, proto, ctx, call: _Call, body: dict) -> web.StreamResponse:
+async def _forward(request, proto: Adapter, ctx, call: _Call, body: dict) -> web.StreamResponse:
     svc = call.svc
     upstreams = svc.upstreams
     if call.turn is not None and "messages" in body:
@@ -273,7 +272,7 @@ async def _forward(request, proto, ctx, call: _Call, body: dict) -> web.StreamRe
         upstreams.begin(upstream, on_eject)
         try:
             try:
-                resp = await upstreams.post(upstream, proto.UPSTREAM_PATH, encoded)
+                resp = await upstreams.post(upstream, proto.upstream_path, encoded)
             except GatewayError as err:
                 if attempt == 0 and _stale_connection(err.__cause__):
                     continue  # once more, on a new connection
@@ -321,7 +320,9 @@ def _stale_connection(exc: BaseException | None) -> bool:
     )
 
 
-async def _whole(request, proto, ctx, call: _Call, resp, version_at_start: int) -> web.Response:
+async def _whole(
+    request, proto: Adapter, ctx, call: _Call, resp, version_at_start: int
+) -> web.Response:
     try:
         raw = await resp.read()
     except (TimeoutError, aiohttp.ClientError) as exc:
@@ -346,14 +347,14 @@ async def _whole(request, proto, ctx, call: _Call, resp, version_at_start: int) 
     return web.Response(body=out, content_type="application/json")
 
 
-async def _streamed(request, proto, ctx, call: _Call, resp) -> web.StreamResponse:
+async def _streamed(request, proto: Adapter, ctx, call: _Call, resp) -> web.StreamResponse:
     svc = call.svc
     out = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await out.prepare(request)
     request[STREAM_STARTED] = out
-    stream = proto.Stream(ctx)
+    stream = proto.stream(ctx)
     cap = call.capture
     failure: GatewayError | None = None
     status = "failed"  # if it fails
@@ -481,7 +482,7 @@ def _engine_payload(call: _Call, raw: bytes) -> dict:
 def _hand_over(call: _Call, holder: dict, text, ids: np.ndarray) -> None:
     """Puts the prompt ids where the engine's response holds them, as the protocol takes them:
     as their JSON `text` (encoded as it is), or as the array."""
-    holder[engine_ids.KEY] = text if call.protocol in _PASSES_IDS else ids
+    holder[engine_ids.KEY] = text if call.passes_ids else ids
 
 
 async def _record_abandoned(call: _Call) -> None:
