@@ -33,7 +33,7 @@ import numpy as np
 import zstandard
 
 from gateway import engine_ids
-from gateway.continuation import RequestKeys
+from gateway.continuation.keys import RequestKeys
 from gateway.merge import best_base
 from gateway.protocols import chat
 from gateway.protocols.normalize import normalize_messages

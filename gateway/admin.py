@@ -12,7 +12,7 @@ import msgspec
 from aiohttp import web
 
 from gateway.auth import check_admin, hash_key, new_rollout_key
-from gateway.continuation import counts as continuation_counts
+from gateway.continuation.splice import counts as continuation_counts
 from gateway.finalize import merge_rollout
 from gateway.merge import SideCalls
 from gateway.protocols.errors import GatewayError

@@ -18,7 +18,7 @@ from aiohttp import web
 from gateway import engine_ids
 from gateway.capture import Capture
 from gateway.constraints import CAPTURE_OFF, constraints
-from gateway.continuer import Turn
+from gateway.continuation.planner import Turn
 from gateway.protocols.errors import GatewayError
 from gateway.protocols.normalize import normalize_messages
 from gateway.protocols.resumable import Layout

@@ -11,19 +11,15 @@ import asyncpg
 
 from gateway.auth import RolloutKeys
 from gateway.config import GatewayConfig
-from gateway.continuer import Continuer
+from gateway.continuation.checked_render import CheckedRenderer
+from gateway.continuation.engine_render import EngineRenderer, RenderError
+from gateway.continuation.local_template import LocalTemplate, Unsupported
+from gateway.continuation.planner import Continuer
+from gateway.continuation.window import WindowedRenderer
 from gateway.metrics import Metrics
 from gateway.notifications import Notifications
 from gateway.protocols.errors import GatewayError
 from gateway.recording import Recorder, Recording
-from gateway.render import (
-    CheckedRenderer,
-    EngineRenderer,
-    LocalTemplate,
-    RenderError,
-    Unsupported,
-)
-from gateway.render_window import WindowedRenderer
 from gateway.store import rollouts as rollouts_store
 from gateway.store.tokens import RecentCalls
 from gateway.upstream import Upstreams

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway import engine_ids
-from gateway.continuation import RequestKeys
+from gateway.continuation.keys import RequestKeys
 from gateway.protocols.normalize import normalize_messages
 from gateway.protocols.resumable import Decoder
 from gateway.store.tokens import (

@@ -1,4 +1,4 @@
-"""The continuation step of a call (see gateway/continuation.py for what and why): find the
+"""The continuation step of a call (see the package docstring for what and why): find the
 call a request continues, render, splice; and remember each call's reply for the calls after it.
 
 Parents are found in an in-memory index of reply keys per rollout; the database answers what the
@@ -19,11 +19,12 @@ import asyncpg
 import msgspec
 import numpy as np
 
-from gateway import continuation as cont
 from gateway import engine_ids
-from gateway.continuation import ContinuationRecord, RequestKeys
-from gateway.render import RenderError, render_body
-from gateway.render_window import WindowedRenderer
+from gateway.continuation import splice as cont
+from gateway.continuation.engine_render import RenderError, render_body
+from gateway.continuation.keys import RequestKeys
+from gateway.continuation.splice import ContinuationRecord
+from gateway.continuation.window import WindowedRenderer
 from gateway.store import calls as calls_store
 from gateway.store.tokens import RecentCalls
 

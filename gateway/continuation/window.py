@@ -1,7 +1,7 @@
 """Renders for a continuation whose size follows the new messages, not the conversation.
 
 An exact continuation needs only the template's rendering of what follows the continued reply
-(`render.Around`). Rendering the whole conversation twice for it costs, at 32k tokens, about a
+(`Around`). Rendering the whole conversation twice for it costs, at 32k tokens, about a
 megabyte on the wire and a parse per call. Most chat templates render a message from the
 message itself and its neighbours, so the same tail comes out of a window of the conversation.
 Two windows are tried, smallest first:
@@ -26,15 +26,9 @@ import hashlib
 
 import msgspec
 
-from gateway.continuation import context_key
-from gateway.render import (
-    Around,
-    CheckedRenderer,
-    Crosscheck,
-    Encoded,
-    EngineRenderer,
-    RenderError,
-)
+from gateway.continuation.checked_render import CheckedRenderer, Crosscheck
+from gateway.continuation.engine_render import Around, Encoded, EngineRenderer, RenderError
+from gateway.continuation.keys import context_key
 
 _FRAME_ROLES = ("system", "developer")
 WINDOWS = ("reply", "frame")
