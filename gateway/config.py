@@ -137,7 +137,7 @@ class GatewayConfig:
     max_pending_records: int = field(default=4096, metadata=_opt(
         "call records that may wait for their commit; beyond that new calls are turned away "
         "with 503/529 and Retry-After", "N", type=int))
-    # See store/tokens.RecentCalls; past it the least recently used rollouts are read back from
+    # See rollout_memory.RecentCalls; past it the least recently used rollouts are read back from
     # the database when they call again.
     recent_calls_mib: int = field(default=512, metadata=_opt(
         "memory for running rollouts' latest calls (ids, bodies, continuation keys); past it "

@@ -5,7 +5,7 @@ banned or allowed token sets, a minimum length or an ignored end of sequence all
 distribution the engine samples from and reports logprobs of, while the trainer computes the
 unconstrained policy's. Such calls are kept (the harness needs its grammar) but marked
 `constrained`, and their tokens are not trained by default (invariant 10). Fields that would
-switch capture off are not here: the relay removes them (see `CAPTURE_OFF`).
+switch capture off are not here: the call request stage removes them (see `CAPTURE_OFF`).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gateway import response_chain
 from gateway.protocols import anthropic, chat, completions, responses
 from gateway.protocols.normalize import normalize_messages
 
@@ -31,7 +32,7 @@ def chat_view(
         return None
     req = proto.parse_request(request_raw)
     if proto is responses:
-        body, _ = proto.to_upstream(req, _chain(proto.previous_id(req), stored_state))
+        body, _ = proto.to_upstream(req, response_chain.items(proto.previous_id(req), stored_state))
     else:
         body, _ = proto.to_upstream(req)
     messages = normalize_messages(body.get("messages") or [])
@@ -39,13 +40,3 @@ def chat_view(
         messages = [*messages, reply]
     return messages, body.get("tools") or []
 
-
-def _chain(response_id: str | None, stored_state) -> list | None:
-    chain: list[list] = []
-    while response_id:
-        state = stored_state(response_id)
-        if state is None:
-            break
-        chain.append(state["items"])
-        response_id = state.get("previous_response_id")
-    return [item for items in reversed(chain) for item in items] if chain else None

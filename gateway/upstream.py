@@ -389,7 +389,7 @@ async def sse_batches(
     resp: aiohttp.ClientResponse, first_timeout_s: float, idle_timeout_s: float
 ) -> AsyncIterator[list[bytes]]:
     """The `data:` payloads of a server-sent-event stream, grouped by what arrived together,
-    so the relay answers each network read with one write instead of one per event. Raises
+    so the pipeline answers each network read with one write instead of one per event. Raises
     StreamStalled when the first read takes over `first_timeout_s` or a later one over
     `idle_timeout_s`: a frozen engine keeps its connection open but sends nothing."""
     pending = b""

@@ -16,9 +16,13 @@ from hypothesis import strategies as st
 
 from gateway.continuation import keys as keys_module
 from gateway.continuation import splice as cont
-from gateway.continuation.checked_render import CheckedRenderer, Crosscheck
-from gateway.continuation.engine_render import (
+from gateway.continuation.checked_render import CheckedRenderer
+from gateway.continuation.keys import RequestKeys, canonical_message
+from gateway.continuation.local_template import LocalTemplate
+from gateway.continuation.planner import Turn
+from gateway.continuation.rendering import (
     Around,
+    Crosscheck,
     RenderError,
     opening_messages,
     render_body,
@@ -26,9 +30,6 @@ from gateway.continuation.engine_render import (
     split_around,
     split_spans,
 )
-from gateway.continuation.keys import RequestKeys, canonical_message
-from gateway.continuation.local_template import LocalTemplate
-from gateway.continuation.planner import Turn
 from gateway.continuation.splice import assistant_suffix, counts, splice
 from gateway.continuation.window import WINDOWS, shape, window
 

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-from gateway.continuation.engine_render import Around, Encoded, EngineRenderer, RenderError
 from gateway.continuation.keys import context_key
 from gateway.continuation.local_template import CONTENT_FORMATS, LocalTemplate
+from gateway.continuation.rendering import Around, Crosscheck, Encoded, RenderError
+
+if TYPE_CHECKING:
+    from gateway.continuation.engine_render import EngineRenderer
 
 log = logging.getLogger(__name__)
 
@@ -54,95 +56,6 @@ _PROBES = (
         {"role": "tool", "tool_call_id": "c1", "content": "ok"},
     ],
 )
-
-
-class Crosscheck:
-    """Where a cheaper render (`what`) may stand in for the reference one (`reference`).
-
-    Per key (an upstream and request context, and whatever else the cheaper render depends on):
-    unknown until a request there is rendered both ways, then trusted while the two agree. One
-    in `sample_every` later uses is checked again in the background, one in twice as many after
-    each check that agrees, down to one in `8 * sample_every` (a reference render costs what the
-    cheaper one saves: at 32k tokens, milliseconds); one disagreement ends the cheaper render's
-    use for that key and brings the checks back to one in `sample_every`."""
-
-    def __init__(
-        self, what: str, reference: str, sample_every: int = 32, keys: int = 4096
-    ) -> None:
-        self._what = what
-        self._reference = reference
-        self._sample_every = sample_every
-        self._interval = self._due = sample_every
-        # Bounded, the least recently used forgotten first: a forgotten key is learnt again at
-        # the cost of one more reference render, while requests of endless new shapes (a
-        # hostile harness) would otherwise grow it without end.
-        self._keys: OrderedDict[Hashable, bool] = OrderedDict()
-        self._max_keys = keys
-        self._checks: set[asyncio.Task] = set()
-        self.stats = {"used": 0, "checked": 0, "mismatches": 0}
-
-    def trusted(self, key: Hashable) -> bool | None:
-        found = self._keys.get(key)
-        if found is not None:
-            self._keys.move_to_end(key)
-        return found
-
-    def _set(self, key: Hashable, trusted: bool) -> None:
-        self._keys[key] = trusted
-        self._keys.move_to_end(key)
-        while len(self._keys) > self._max_keys:
-            self._keys.popitem(last=False)
-
-    def judge(self, key: Hashable, cheap: Around | None, reference: Around | None) -> None:
-        same = (reference is None and cheap is None) or (
-            reference is not None and cheap is not None and reference.same_ids(cheap)
-        )
-        self.stats["checked"] += 1
-        if same:
-            if key not in self._keys:
-                log.info("%s agrees with %s at %s; used there", self._what, self._reference,
-                         _describe(key))
-            self._set(key, True)
-        else:
-            self.distrust(key, f"it differs from {self._reference}")
-
-    def distrust(self, key: Hashable, why: str) -> None:
-        self.stats["mismatches"] += 1
-        self._set(key, False)
-        log.warning("%s not used at %s again: %s", self._what, _describe(key), why)
-
-    def used(
-        self,
-        key: Hashable,
-        cheap: Around | None,
-        reference: Callable[[], Awaitable[Around | None]],
-    ) -> None:
-        """Counts a use of the cheaper render; the sampled ones are checked against
-        `reference()` in the background (the call does not wait for it)."""
-        self.stats["used"] += 1
-        self._due -= 1
-        if self._due > 0:
-            return
-        self._due = self._interval
-        task = asyncio.create_task(self._sample(key, cheap, reference))
-        self._checks.add(task)
-        task.add_done_callback(self._checks.discard)
-
-    async def _sample(self, key, cheap, reference) -> None:
-        try:
-            expected = await reference()
-        except RenderError:
-            return  # nothing learnt; a later sample checks again
-        self.judge(key, cheap, expected)
-        agreed = self._keys.get(key) is True
-        self._interval = (
-            min(self._interval * 2, 8 * self._sample_every) if agreed else self._sample_every
-        )
-
-
-def _describe(key: Hashable) -> str:
-    parts = key if isinstance(key, tuple) else (key,)
-    return " ".join(p.hex()[:12] if isinstance(p, bytes) else str(p) for p in parts)
 
 
 class CheckedRenderer:

@@ -13,25 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.continuation.engine_render import TURN_END_TOKENS, Around, render_body, split_around
+from gateway.byte_level import bytes_to_unicode
+from gateway.continuation.rendering import TURN_END_TOKENS, Around, render_body, split_around
 
 log = logging.getLogger(__name__)
 
 
 class Unsupported(Exception):
     """The model's tokenizer or template is outside what local rendering reproduces."""
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """The byte <-> printable character table of byte-level BPE (GPT-2's)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 # GPT-2's pre-tokenizer pattern, which a ByteLevel pre-tokenizer with `use_regex` applies.

@@ -12,7 +12,7 @@ Two windows are tried, smallest first:
   open with a user message, or that place tools or reasoning by the last user query.
 
 That is a property of a template, not a guarantee, so it is checked where it is used
-(`render.Crosscheck`), per request context and per shape of what the window renders (the roles
+(`rendering.Crosscheck`), per request context and per shape of what the window renders (the roles
 from the reply on: a template may treat a user message after tool results differently from
 another tool result). The first continuation of a shape is rendered whole and in each window,
 and a window is used only where it agreed; one in 32 of its later uses is rendered whole again
@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from gateway.continuation.checked_render import CheckedRenderer, Crosscheck
-from gateway.continuation.engine_render import Around, Encoded, EngineRenderer, RenderError
 from gateway.continuation.keys import context_key
+from gateway.continuation.rendering import Around, Crosscheck, Encoded, RenderError
+
+if TYPE_CHECKING:
+    from gateway.continuation.checked_render import CheckedRenderer
+    from gateway.continuation.engine_render import EngineRenderer
 
 _FRAME_ROLES = ("system", "developer")
 WINDOWS = ("reply", "frame")

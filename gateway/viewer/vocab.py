@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from gateway.continuation.local_template import bytes_to_unicode
+from gateway.byte_level import bytes_to_unicode
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

@@ -1,0 +1,394 @@
+"""One model call, whatever the protocol, in straight-line stages: parse (`call_request`), plan
+(`continuation.planner`), the engine exchange (`engine_exchange`), record (`recording`), and
+respond. Recording comes before the response's end on every path, so a call the client saw
+finish is durable (invariant 2); this module alone decides what the client is told when
+something fails, the call is aborted from outside, or the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+import aiohttp
+import asyncpg
+import msgspec
+from aiohttp import web
+
+from gateway import call_request
+from gateway.call_values import Outcome
+from gateway.engine_exchange import EngineCall, stale_connection, upstream_error
+from gateway.protocols.errors import GatewayError
+from gateway.stage_cpu import Clock, StageCpu
+from gateway.store import calls as calls_store
+from gateway.upstream import StreamStalled, sse_batches
+
+if TYPE_CHECKING:
+    from gateway.admission import Admission
+    from gateway.config import GatewayConfig
+    from gateway.continuation.planner import Continuer
+    from gateway.metrics import Metrics
+    from gateway.policy_version import PolicyVersion
+    from gateway.recording import Recording
+    from gateway.rollout_memory import RolloutMemory
+    from gateway.served_models import ServedModels
+    from gateway.upstream import Upstreams
+
+log = logging.getLogger(__name__)
+
+# Set on a request once its response headers are sent: an error after that can only be told
+# as the protocol's error event inside the stream, never as a new HTTP response.
+STREAM_STARTED = "rolltap.stream_started"
+
+_encode = msgspec.json.encode
+
+
+class Call:
+    """One running call as the rest of the gateway sees it: something a shutdown can abort."""
+
+    __slots__ = ("id", "rollout_id", "started", "started_at", "aborted", "_task", "_recording")
+
+    def __init__(self, rollout_id: uuid.UUID) -> None:
+        self.id = uuid.uuid4()
+        self.rollout_id = rollout_id
+        self.started = time.perf_counter()
+        self.started_at = datetime.now(UTC)
+        # Set by `abort` (shutdown deadline, ejected replica): (status to record, why).
+        self.aborted: tuple[str, str] | None = None
+        self._task: asyncio.Task | None = None
+        self._recording = False
+
+    def abort(self, status: str, reason: str) -> None:
+        """Ends the call from outside: it stops waiting on the engine, records `status` and
+        answers with an error in its protocol. No-op once it is recording."""
+        # A call whose own failure ejects its replica is already ending; it is not aborted.
+        task = self._task
+        if (
+            self.aborted is None
+            and not self._recording
+            and task is not None
+            and task is not asyncio.current_task()
+        ):
+            self.aborted = (status, reason)
+            task.cancel()
+
+    def abort_error(self) -> GatewayError:
+        assert self.aborted is not None
+        return GatewayError(503, self.aborted[1], "overloaded_error")
+
+
+class Pipeline:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        pool: asyncpg.Pool,
+        upstreams: Upstreams,
+        planner: Continuer,
+        recording: Recording,
+        memory: RolloutMemory,
+        admission: Admission,
+        policy: PolicyVersion,
+        models: ServedModels,
+        metrics: Metrics,
+    ) -> None:
+        self._config = config
+        self._pool = pool
+        self._upstreams = upstreams
+        self._planner = planner
+        self._recording = recording
+        self._recent = memory.recent
+        self._admission = admission
+        self._policy = policy
+        self._models = models
+        self._metrics = metrics
+        self.cpu = StageCpu()
+
+    async def serve(
+        self, request: web.Request, proto, raw: bytes, rollout_id: uuid.UUID
+    ) -> web.StreamResponse:
+        """Serve one harness call through `proto` (a module of gateway.protocols)."""
+        clock = self.cpu.clock()
+        self._recording.admit()
+        earlier = self._recent.entries(rollout_id) or ()
+        req, layout = call_request.decode(
+            proto, raw, [c.request for c in reversed(earlier) if c.request is not None]
+        )
+        self._metrics.request_decoded(proto.NAME, layout is not None and layout.resumed > 0)
+        translated = await call_request.translate(
+            proto, req, layout, raw, request.headers, self._response_state(rollout_id, clock),
+            self._model_check(clock), self._config.temperature, self._config.default_max_tokens,
+        )  # fmt: skip
+        call = Call(rollout_id)
+        previous = self._upstreams.placed(rollout_id)
+        if previous is None:  # first call here: continue where another gateway placed it
+            previous = await clock.wait("parse", self._last_upstream(rollout_id))
+        upstream, rerouted = self._upstreams.route(rollout_id, previous)
+        clock.lap("parse")
+        plan = None
+        if proto.UPSTREAM_PATH == "/v1/chat/completions":  # legacy completions has no messages
+            plan = await self._planner.prepare(rollout_id, upstream, translated.body, clock)
+        engine = EngineCall(proto.NAME, plan, upstream, rerouted, call.started)
+        encoded = engine.body(translated.body, translated.call.requested, translated.client_ids)
+        clock.lap("plan")
+        call._task = asyncio.current_task()
+        self._admission.calls.add(call)
+        try:
+            return await self._forward(request, proto, translated, call, engine, encoded, clock)
+        finally:
+            self._admission.calls.discard(call)
+
+    def _response_state(self, rollout_id: uuid.UUID, clock: Clock):
+        async def lookup(response_id: str) -> dict | None:
+            async with self._pool.acquire() as conn:
+                return await clock.wait(
+                    "parse", calls_store.response_state(conn, rollout_id, response_id)
+                )
+
+        return lookup
+
+    def _model_check(self, clock: Clock):
+        return lambda model: clock.wait("parse", self._models.check(model))
+
+    async def _last_upstream(self, rollout_id: uuid.UUID) -> str | None:
+        async with self._pool.acquire() as conn:
+            return await calls_store.last_upstream(conn, rollout_id)
+
+    async def _record(
+        self,
+        call: Call,
+        translated: call_request.Translated,
+        engine: EngineCall,
+        status: str,
+        error: str | None = None,
+        state_source: dict | bytes | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        """Freezes the call's outcome and returns once recording has made it durable."""
+        call._recording = True
+        stored = translated.stored_state
+        outcome = Outcome(
+            call_id=call.id,
+            rollout_id=call.rollout_id,
+            status=status,
+            error=error,
+            started_at=call.started_at,
+            latency_ms=(time.perf_counter() - call.started) * 1000,
+            request=translated.call,
+            plan=engine.plan,
+            result=engine.result(),
+            stored_state=stored(state_source)
+            if stored is not None and state_source is not None and status == "ok"
+            else None,
+            prompt_json=engine.prompt_json,
+        )
+        if clock is None:
+            await self._recording.record(outcome)
+        else:
+            await clock.wait("record", self._recording.record(outcome))
+        log.debug("recorded call %s of rollout %s: %s on %s%s", call.id, call.rollout_id,
+                  status, engine.upstream, f" (rerouted: {engine.rerouted})" if engine.rerouted
+                  else "")  # fmt: skip
+
+    async def _forward(
+        self, request, proto, translated, call: Call, engine: EngineCall, encoded: bytes,
+        clock: Clock,
+    ) -> web.StreamResponse:  # fmt: skip
+        upstreams = self._upstreams
+        streamed = bool(translated.body.get("stream"))
+        # A frozen engine never answers a whole-response call; ejecting its replica ends it.
+        on_eject = None if streamed else (lambda why: call.abort("failed", why))
+        for attempt in range(2):
+            version_at_start = self._policy.value
+            upstream = engine.upstream
+            upstreams.begin(upstream, on_eject)
+            try:
+                try:
+                    resp = await clock.wait(
+                        "engine", upstreams.post(upstream, proto.UPSTREAM_PATH, encoded)
+                    )
+                except GatewayError as err:
+                    if attempt == 0 and stale_connection(err.__cause__):
+                        continue  # once more, on a new connection
+                    upstreams.failed(upstream, err.message)
+                    if attempt == 0 and isinstance(err.__cause__, aiohttp.ClientConnectorError):
+                        # Nothing reached the engine, so another replica can take the call as is.
+                        try:
+                            engine.upstream, engine.rerouted = upstreams.route(
+                                call.rollout_id, upstream, avoid=upstream
+                            )
+                        except GatewayError:
+                            pass
+                        else:
+                            continue
+                    await self._record(call, translated, engine, "failed", err.message)
+                    raise
+                async with resp:
+                    if resp.status != 200:
+                        if resp.status >= 500:
+                            upstreams.failed(upstream, f"HTTP {resp.status}")
+                        err = upstream_error(resp.status, await resp.read())
+                        await self._record(call, translated, engine, "failed", err.message)
+                        raise err
+                    if not streamed:
+                        return await self._whole(
+                            proto, translated, call, engine, resp, version_at_start, clock
+                        )
+                    return await self._streamed(request, proto, translated, call, engine, resp,
+                                                clock)  # fmt: skip
+            except asyncio.CancelledError:
+                if call.aborted is None:
+                    raise
+                asyncio.current_task().uncancel()
+                await self._record(call, translated, engine, *call.aborted)
+                raise call.abort_error() from None
+            finally:
+                upstreams.end(upstream, on_eject)
+        raise AssertionError("unreachable")
+
+    async def _whole(
+        self, proto, translated, call: Call, engine: EngineCall, resp, version_at_start: int,
+        clock: Clock,
+    ) -> web.Response:  # fmt: skip
+        try:
+            raw = await clock.wait("engine", resp.read())
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            message = f"upstream response broke: {exc or type(exc).__name__}"
+            self._upstreams.failed(engine.upstream, message)
+            await self._record(call, translated, engine, "failed", message)
+            raise GatewayError(502, message, "upstream_error") from None
+        # The tokens were sampled under the version live at the start or the one at the end:
+        # stamp the older, so staleness is never underestimated.
+        payload = engine.whole(raw, min(version_at_start, self._policy.value))
+        problem = engine.capture.check()
+        clock.lap("engine")
+        out = proto.from_upstream(payload, translated.ctx) if problem is None else b""
+        clock.lap("respond")
+        self._upstreams.succeeded(engine.upstream)
+        await self._record(call, translated, engine, "ok" if problem is None else "failed",
+                           problem, out, clock)  # fmt: skip
+        if problem is not None:
+            raise GatewayError(
+                502, f"engine response unusable for training: {problem}", "upstream_error"
+            )
+        response = web.Response(body=out, content_type="application/json")
+        clock.lap("respond")
+        return response
+
+    async def _streamed(
+        self, request, proto, translated, call: Call, engine: EngineCall, resp, clock: Clock
+    ) -> web.StreamResponse:
+        upstreams = self._upstreams
+        out = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await clock.wait("respond", out.prepare(request))
+        request[STREAM_STARTED] = out
+        stream = proto.Stream(translated.ctx)
+        cap = engine.capture
+        failure: GatewayError | None = None
+        status = "failed"  # if it fails
+        cfg = self._config
+        batches = sse_batches(resp, cfg.ttft_timeout_s, cfg.stream_idle_timeout_s)
+        try:
+            done = False
+            while True:
+                try:
+                    batch = await clock.wait("stream", anext(batches))
+                except StopAsyncIteration:
+                    break
+                pieces = []
+                for data in batch:
+                    if data == b"[DONE]":
+                        done = True
+                        break
+                    chunk = engine.chunk(data)
+                    if "error" in chunk and not chunk.get("choices"):
+                        e = chunk["error"]
+                        failure = upstream_error(e.get("code") or 500, _encode(chunk))
+                        break
+                    first_token = engine.captured(chunk, self._policy.value)
+                    try:
+                        pieces.append(stream.feed(chunk))
+                    except GatewayError as err:  # the protocol cannot express what the engine sent
+                        failure = err
+                        break
+                    if first_token:
+                        # The first token leaves at once, not after the rest of its read is
+                        # translated: an engine that is ahead sends many chunks in one read.
+                        first = b"".join(pieces)
+                        pieces.clear()
+                        if first:
+                            await clock.wait("stream", out.write(first))
+                joined = b"".join(pieces)
+                if joined:  # an empty write could read as the end of a chunked body
+                    await clock.wait("stream", out.write(joined))
+                if done or failure is not None:
+                    break
+        except asyncio.CancelledError:
+            if call.aborted is None:  # the client went away
+                resp.close()  # closing the upstream response aborts the engine's request
+                await self._record_abandoned(call, translated, engine)
+                raise
+            asyncio.current_task().uncancel()
+            status, failure = call.aborted[0], call.abort_error()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            resp.close()
+            await self._record_abandoned(call, translated, engine)
+            raise
+        except StreamStalled as exc:
+            failure = GatewayError(504, f"upstream {engine.upstream}: {exc}", "upstream_error")
+            upstreams.failed(engine.upstream, str(exc))
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            failure = GatewayError(
+                502, f"upstream stream broke: {exc or type(exc).__name__}", "upstream_error"
+            )
+            upstreams.failed(engine.upstream, failure.message)
+        finally:
+            await batches.aclose()  # stops its timer now, not when the generator is collected
+        if failure is None and cap.finish_reason in ("abort", "error"):
+            failure = GatewayError(
+                502, f"engine ended the response with {cap.finish_reason!r}", "upstream_error"
+            )
+        if failure is not None:
+            resp.close()  # stop the engine if it is still generating
+        state_source = None
+        if failure is None and translated.stored_state is not None:
+            state_source = stream.response()
+        if failure is None:
+            problem = cap.check()
+            if problem is not None:
+                failure = GatewayError(
+                    502, f"engine response unusable for training: {problem}", "upstream_error"
+                )
+        if failure is None:
+            upstreams.succeeded(engine.upstream)
+        clock.lap("respond")
+        try:
+            await self._record(
+                call, translated, engine, "ok" if failure is None else status,
+                None if failure is None else failure.message, state_source, clock,
+            )  # fmt: skip
+        except GatewayError as err:  # not recorded: the stream must not end as a success
+            failure = err
+        except Exception:  # noqa: BLE001 - a bug, but still never an end that looks like success
+            log.exception("call %s not recorded", call.id)
+            failure = GatewayError(
+                500, "the call could not be recorded; see the gateway log", "api_error"
+            )
+        try:
+            end = stream.close() if failure is None else stream.fail(failure)
+            await clock.wait("respond", out.write(end))
+            await out.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            pass  # recorded already; the client left after the last token
+        return out
+
+    async def _record_abandoned(self, call: Call, translated, engine: EngineCall) -> None:
+        """Records a call whose client went away; nobody is left to tell if that fails."""
+        try:
+            await self._record(call, translated, engine, "aborted", "client disconnected")
+        except GatewayError as err:
+            log.warning("aborted call %s not recorded: %s", call.id, err.message)
