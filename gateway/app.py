@@ -29,7 +29,8 @@ from gateway.auth import check_admin
 from gateway.engine_exchange import upstream_error
 from gateway.metrics import CONTENT_TYPE_LATEST
 from gateway.pipeline import STREAM_STARTED
-from gateway.protocols import anthropic, chat, completions, openai_common, responses
+from gateway.protocols import anthropic, chat, completions, responses
+from gateway.protocols.adapter import Adapter
 from gateway.protocols.errors import GatewayError
 from gateway.recording import RETRY_AFTER_S
 from gateway.store import rollouts as rollouts_store
@@ -47,8 +48,8 @@ _HEALTH_DB_TIMEOUT_S = 0.8
 def _renderer(path: str):
     """Errors on the Anthropic surface use Anthropic's shape, everything else OpenAI's."""
     if path.startswith("/v1/messages"):
-        return anthropic.render_error
-    return openai_common.render_error
+        return anthropic.ADAPTER.render_error
+    return chat.ADAPTER.render_error
 
 
 @web.middleware
@@ -116,7 +117,7 @@ async def started_streams(request: web.Request, handler):
         return started
 
 
-def _model_route(proto):
+def _model_route(proto: Adapter):
     async def handler(request: web.Request) -> web.StreamResponse:
         app = request.app
         admission = app[ADMISSION]
@@ -242,10 +243,10 @@ def build_app(runtime: Runtime) -> web.Application:
     )
     app.on_response_prepare.append(traffic.stamp_headers)
     runtime.install(app)
-    app.router.add_post("/v1/chat/completions", _model_route(chat))
-    app.router.add_post("/v1/completions", _model_route(completions))
-    app.router.add_post("/v1/responses", _model_route(responses))
-    app.router.add_post("/v1/messages", _model_route(anthropic))
+    app.router.add_post("/v1/chat/completions", _model_route(chat.ADAPTER))
+    app.router.add_post("/v1/completions", _model_route(completions.ADAPTER))
+    app.router.add_post("/v1/responses", _model_route(responses.ADAPTER))
+    app.router.add_post("/v1/messages", _model_route(anthropic.ADAPTER))
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/healthz", healthz)

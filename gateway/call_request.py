@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 from gateway import response_chain
 from gateway.call_values import ParsedCall
 from gateway.constraints import CAPTURE_OFF, constraints
+from gateway.protocols.adapter import Adapter
 from gateway.protocols.errors import GatewayError
 from gateway.protocols.normalize import normalize_messages
 from gateway.protocols.resumable import Layout
@@ -83,13 +84,13 @@ class Translated(NamedTuple):
     client_ids: bool  # the harness asked for the engine's ids itself
 
 
-def decode(proto, raw: bytes, earlier: Iterable[Layout]) -> tuple[Any, Layout | None]:
+def decode(proto: Adapter, raw: bytes, earlier: Iterable[Layout]) -> tuple[Any, Layout | None]:
     """The protocol's request, decoded from where the rollout's earlier requests left off."""
     return proto.parse(raw, earlier)
 
 
 async def translate(
-    proto,
+    proto: Adapter,
     req,
     layout: Layout | None,
     raw: bytes,
@@ -101,21 +102,19 @@ async def translate(
 ) -> Translated:
     """`req` in the engine's terms, with the conversation a stateful protocol continues read
     through `stored_state(response_id)`; a model the replicas do not serve fails first."""
-    stateful = hasattr(proto, "stored_state")  # protocols with server-side conversations
-    if stateful:
+    history = None
+    if proto.stateful:
         prev_id = proto.previous_id(req)
         # A NUL cannot be in a stored id (nor be sent to Postgres): such an id is not found.
-        known = prev_id and "\x00" not in prev_id
-        history = await response_chain.items_async(prev_id, stored_state) if known else None
-        body, ctx = proto.to_upstream(req, history)
-    else:
-        body, ctx = proto.to_upstream(req)
+        if prev_id and "\x00" not in prev_id:
+            history = await response_chain.items_async(prev_id, stored_state)
+    body, ctx = proto.to_upstream(req, history)
     await check_model(ctx.model)
-    if "messages" in body and not getattr(proto, "MESSAGES_NORMALISED", False):
+    if "messages" in body and not proto.normalises_messages:
         body["messages"] = normalize_messages(body["messages"], raw)
     offered_tools = bool(body.get("tools"))
     client_ids = bool(body.get("return_token_ids"))
-    requested, applied = pin_sampling(body, temperature, proto.UPSTREAM_PATH)
+    requested, applied = pin_sampling(body, temperature, proto.upstream_path)
     for key in CAPTURE_OFF:
         if key in body:
             requested[key] = body.pop(key)
@@ -131,7 +130,7 @@ async def translate(
         body["max_tokens"] = applied["max_tokens"] = default_max_tokens
     body["model"] = ctx.model
     call = ParsedCall(
-        protocol=proto.NAME,
+        protocol=proto.name,
         raw=raw,
         digest=bodies.digest(raw),
         retry_count=retry_count(headers),
@@ -143,5 +142,5 @@ async def translate(
         constraints=constrained_by,
         layout=layout,
     )
-    state = (lambda resp_body: proto.stored_state(req, ctx, resp_body)) if stateful else None
+    state = (lambda resp_body: proto.stored_state(req, ctx, resp_body)) if proto.stateful else None
     return Translated(call, body, ctx, state, client_ids)

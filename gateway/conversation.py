@@ -11,9 +11,12 @@ from collections.abc import Callable
 
 from gateway import response_chain
 from gateway.protocols import anthropic, chat, completions, responses
+from gateway.protocols.adapter import CHAT_PATH, Adapter
 from gateway.protocols.normalize import normalize_messages
 
-_PROTOCOLS = {p.NAME: p for p in (chat, completions, responses, anthropic)}
+_PROTOCOLS: dict[str, Adapter] = {
+    p.name: p for p in (chat.ADAPTER, completions.ADAPTER, responses.ADAPTER, anthropic.ADAPTER)
+}
 
 
 def chat_view(
@@ -28,13 +31,13 @@ def chat_view(
     `stored_state(response_id)` returns the state a Responses call stored (see
     `responses.stored_state`); it resolves `previous_response_id` chains."""
     proto = _PROTOCOLS.get(protocol)
-    if proto is None or proto is completions:
+    if proto is None or proto.upstream_path != CHAT_PATH:
         return None
     req = proto.parse_request(request_raw)
-    if proto is responses:
-        body, _ = proto.to_upstream(req, response_chain.items(proto.previous_id(req), stored_state))
-    else:
-        body, _ = proto.to_upstream(req)
+    history = (
+        response_chain.items(proto.previous_id(req), stored_state) if proto.stateful else None
+    )
+    body, _ = proto.to_upstream(req, history)
     messages = normalize_messages(body.get("messages") or [])
     if reply is not None:
         messages = [*messages, reply]

@@ -21,6 +21,7 @@ from aiohttp import web
 from gateway import call_request
 from gateway.call_values import Outcome
 from gateway.engine_exchange import EngineCall, stale_connection, upstream_error
+from gateway.protocols.adapter import CHAT_PATH, Adapter
 from gateway.protocols.errors import GatewayError
 from gateway.stage_cpu import Clock, StageCpu
 from gateway.store import calls as calls_store
@@ -107,16 +108,16 @@ class Pipeline:
         self.cpu = StageCpu()
 
     async def serve(
-        self, request: web.Request, proto, raw: bytes, rollout_id: uuid.UUID
+        self, request: web.Request, proto: Adapter, raw: bytes, rollout_id: uuid.UUID
     ) -> web.StreamResponse:
-        """Serve one harness call through `proto` (a module of gateway.protocols)."""
+        """Serve one harness call through `proto`."""
         clock = self.cpu.clock()
         self._recording.admit()
         earlier = self._recent.entries(rollout_id) or ()
         req, layout = call_request.decode(
             proto, raw, [c.request for c in reversed(earlier) if c.request is not None]
         )
-        self._metrics.request_decoded(proto.NAME, layout is not None and layout.resumed > 0)
+        self._metrics.request_decoded(proto.name, layout is not None and layout.resumed > 0)
         translated = await call_request.translate(
             proto, req, layout, raw, request.headers, self._response_state(rollout_id, clock),
             self._model_check(clock), self._config.temperature, self._config.default_max_tokens,
@@ -128,9 +129,9 @@ class Pipeline:
         upstream, rerouted = self._upstreams.route(rollout_id, previous)
         clock.lap("parse")
         plan = None
-        if proto.UPSTREAM_PATH == "/v1/chat/completions":  # legacy completions has no messages
+        if proto.upstream_path == CHAT_PATH:  # legacy completions has no messages
             plan = await self._planner.prepare(rollout_id, upstream, translated.body, clock)
-        engine = EngineCall(proto.NAME, plan, upstream, rerouted, call.started)
+        engine = EngineCall(proto.name, plan, upstream, rerouted, call.started)
         encoded = engine.body(translated.body, translated.call.requested, translated.client_ids)
         clock.lap("plan")
         call._task = asyncio.current_task()
@@ -207,7 +208,7 @@ class Pipeline:
             try:
                 try:
                     resp = await clock.wait(
-                        "engine", upstreams.post(upstream, proto.UPSTREAM_PATH, encoded)
+                        "engine", upstreams.post(upstream, proto.upstream_path, encoded)
                     )
                 except GatewayError as err:
                     if attempt == 0 and stale_connection(err.__cause__):
@@ -286,7 +287,7 @@ class Pipeline:
         )
         await clock.wait("respond", out.prepare(request))
         request[STREAM_STARTED] = out
-        stream = proto.Stream(translated.ctx)
+        stream = proto.stream(translated.ctx)
         cap = engine.capture
         failure: GatewayError | None = None
         status = "failed"  # if it fails

@@ -35,6 +35,8 @@ import msgspec
 
 from gateway import engine_ids
 from gateway.protocols import segments
+from gateway.protocols.adapter import Adapter
+from gateway.protocols.adapter import Stream as StreamBase
 from gateway.protocols.errors import GatewayError, bad_request, invalid_field, text_only
 from gateway.protocols.normalize import normalize_messages
 from gateway.protocols.resumable import Decoder, Layout
@@ -42,7 +44,6 @@ from gateway.protocols.segments import REASONING, TEXT, TOOL_CALL, Accumulator, 
 from gateway.protocols.tools import chat_tool, chat_tool_choice, check_unique_names
 
 NAME = "anthropic"
-MESSAGES_NORMALISED = True  # the relay leaves them as they are (see `_chat_messages`)
 UPSTREAM_PATH = "/v1/chat/completions"
 
 # ---------------------------------------------------------------------------------------------
@@ -633,7 +634,7 @@ _EMPTY_BLOCK = {
 }
 
 
-class Stream(segments.Sink):
+class Stream(StreamBase, segments.Sink):
     """vLLM chat-completion chunks in, Anthropic SSE events out.
 
     Each segment is a content block, with consecutive indices; at most one is open, and the
@@ -831,3 +832,28 @@ def _error_body(err: GatewayError) -> tuple[int, dict[str, Any]]:
 def render_error(err: GatewayError) -> tuple[int, bytes]:
     status, body = _error_body(err)
     return status, msgspec.json.encode(body)
+
+
+class AnthropicAdapter(Adapter[Request, Context]):
+    name = NAME
+    normalises_messages = True  # see `_chat_messages`
+
+    def parse(self, raw: bytes, earlier: Iterable[Layout] = ()) -> tuple[Request, Layout | None]:
+        return parse(raw, earlier)
+
+    def to_upstream(
+        self, req: Request, history: list[Any] | None = None
+    ) -> tuple[dict[str, Any], Context]:
+        return to_upstream(req)
+
+    def from_upstream(self, resp: dict[str, Any], ctx: Context) -> bytes:
+        return from_upstream(resp, ctx)
+
+    def stream(self, ctx: Context) -> Stream:
+        return Stream(ctx)
+
+    def render_error(self, err: GatewayError) -> tuple[int, bytes]:
+        return render_error(err)
+
+
+ADAPTER = AnthropicAdapter()

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 
+from gateway.protocols.adapter import Adapter
+from gateway.protocols.adapter import Stream as StreamBase
 from gateway.protocols.errors import GatewayError
 from gateway.protocols.openai_common import (
     DONE,
@@ -34,6 +37,7 @@ __all__ = [
     "from_upstream",
     "Stream",
     "render_error",
+    "ADAPTER",
 ]
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -153,7 +157,7 @@ def from_upstream(resp: dict, ctx: Context) -> bytes:
     return encode(strip_capture(resp, ctx.echo))
 
 
-class Stream:
+class Stream(StreamBase):
     __slots__ = ("_ctx",)
 
     def __init__(self, ctx: Context) -> None:
@@ -181,3 +185,29 @@ class Stream:
                 "created": int(time.time()),
             }
         )
+
+
+class ChatAdapter(Adapter[dict[str, Any], Context]):
+    name = NAME
+
+    def parse(
+        self, raw: bytes, earlier: Iterable[Layout] = ()
+    ) -> tuple[dict[str, Any], Layout | None]:
+        return parse(raw, earlier)
+
+    def to_upstream(
+        self, req: dict[str, Any], history: list[Any] | None = None
+    ) -> tuple[dict[str, Any], Context]:
+        return to_upstream(req)
+
+    def from_upstream(self, resp: dict[str, Any], ctx: Context) -> bytes:
+        return from_upstream(resp, ctx)
+
+    def stream(self, ctx: Context) -> Stream:
+        return Stream(ctx)
+
+    def render_error(self, err: GatewayError) -> tuple[int, bytes]:
+        return render_error(err)
+
+
+ADAPTER = ChatAdapter()

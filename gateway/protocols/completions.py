@@ -3,6 +3,9 @@ natively, so this checks the request and hides the capture fields the client did
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import msgspec
 
 from gateway.protocols import chat
@@ -15,6 +18,7 @@ from gateway.protocols.openai_common import (
     render_error,
     strip_capture,
 )
+from gateway.protocols.resumable import Layout
 
 NAME = "completions"
 UPSTREAM_PATH = "/v1/completions"
@@ -28,6 +32,7 @@ __all__ = [
     "from_upstream",
     "Stream",
     "render_error",
+    "ADAPTER",
 ]
 
 Context = chat.Context
@@ -74,3 +79,22 @@ def from_upstream(resp: dict, ctx: Context) -> bytes:
 
 
 Stream = chat.Stream
+
+
+class CompletionsAdapter(chat.ChatAdapter):
+    """Answers as chat does; a prompt has no chat messages, so the relay plans no continuation
+    for it."""
+
+    name = NAME
+    upstream_path = UPSTREAM_PATH
+
+    def parse(self, raw: bytes, earlier: Iterable[Layout] = ()) -> tuple[dict[str, Any], None]:
+        return parse(raw, earlier)
+
+    def to_upstream(
+        self, req: dict[str, Any], history: list[Any] | None = None
+    ) -> tuple[dict[str, Any], Context]:
+        return to_upstream(req)
+
+
+ADAPTER = CompletionsAdapter()

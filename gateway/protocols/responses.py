@@ -26,6 +26,8 @@ from typing import Any, Literal, NamedTuple
 import msgspec
 
 from gateway.protocols import segments
+from gateway.protocols.adapter import Adapter
+from gateway.protocols.adapter import Stream as StreamBase
 from gateway.protocols.errors import GatewayError, bad_request, invalid_field, text_only
 from gateway.protocols.openai_common import render_error
 from gateway.protocols.resumable import Decoder, Layout
@@ -46,6 +48,7 @@ __all__ = [
     "conversation_items",
     "Stream",
     "render_error",
+    "ADAPTER",
 ]
 
 _encode = msgspec.json.encode
@@ -719,7 +722,7 @@ _ADDED = {
 }
 
 
-class Stream(segments.Sink):
+class Stream(StreamBase, segments.Sink):
     """Chat chunks in, Responses SSE events out; each segment is an output item. Function calls
     stay open until `close()`: a harness runs a call when its `output_item.done` arrives, which
     must not happen before the call is recorded."""
@@ -869,3 +872,36 @@ def stored_state(req: Request, ctx: Context, resp_body: dict | bytes) -> dict:
         "previous_response_id": req.body.previous_response_id,
         "items": conversation_items(req, resp_body),
     }
+
+
+class ResponsesAdapter(Adapter[Request, Context]):
+    name = NAME
+    stateful = True
+
+    def parse(self, raw: bytes, earlier: Iterable[Layout] = ()) -> tuple[Request, Layout | None]:
+        return parse(raw, earlier)
+
+    def previous_id(self, req: Request) -> str | None:
+        return previous_id(req)
+
+    def to_upstream(
+        self, req: Request, history: list[Any] | None = None
+    ) -> tuple[dict[str, Any], Context]:
+        return to_upstream(req, history)
+
+    def stored_state(
+        self, req: Request, ctx: Context, response: dict[str, Any] | bytes
+    ) -> dict[str, Any]:
+        return stored_state(req, ctx, response)
+
+    def from_upstream(self, resp: dict[str, Any], ctx: Context) -> bytes:
+        return from_upstream(resp, ctx)
+
+    def stream(self, ctx: Context) -> Stream:
+        return Stream(ctx)
+
+    def render_error(self, err: GatewayError) -> tuple[int, bytes]:
+        return render_error(err)
+
+
+ADAPTER = ResponsesAdapter()
