@@ -28,7 +28,7 @@ import zstandard
 from bench.bench_gateway import cpu_times
 from gateway.store import calls as calls_store
 from gateway.store import rollouts as rollouts_store
-from gateway.store.db import _init_connection
+from gateway.store.db import init_connection
 from gateway.store.migrations import migrate
 
 # The same rows as INSERT, many in one statement: each column an array, unnested in row order.
@@ -201,7 +201,7 @@ async def migrated(dsn: str):
     import asyncpg
 
     conn = await asyncpg.connect(dsn)
-    await _init_connection(conn)
+    await init_connection(conn)
     await migrate(conn)
     return conn
 

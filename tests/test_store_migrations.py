@@ -14,7 +14,7 @@ import pytest
 
 from gateway.store import calls as calls_store
 from gateway.store import migrations
-from gateway.store.db import _init_connection
+from gateway.store.db import init_connection
 from tests.support.postgres import fresh_database
 
 
@@ -57,7 +57,7 @@ async def _rollout(conn, status: str = "running") -> uuid.UUID:
 def test_an_upgrade_keeps_stored_calls_and_refuses_late_ones(dsn, monkeypatch):
     async def scenario():
         conn = await asyncpg.connect(dsn)
-        await _init_connection(conn)
+        await init_connection(conn)
         try:
             # The schema before this change, with a call stored under it (pglz, trigger).
             with monkeypatch.context() as m:

@@ -235,7 +235,7 @@ async def export(
     from tqdm import tqdm
 
     from gateway.store import listing
-    from gateway.store.db import _init_connection
+    from gateway.store.db import init_connection
 
     out_dir.mkdir(parents=True, exist_ok=True)
     clause, args = listing.where(filt)
@@ -244,7 +244,7 @@ async def export(
     side = await asyncpg.connect(dsn)
     try:
         for c in (conn, side):
-            await _init_connection(c)
+            await init_connection(c)
         total = await conn.fetchval(f"SELECT count(*) FROM rollouts{clause}", *args)
         for grain in grains:
             sink = Sink(paths[grain], (_token_schema if grain == "tokens" else

@@ -32,7 +32,7 @@ from uuid import UUID
 import xxhash
 import zstandard
 
-from gateway.byte_ends import shared
+from gateway.byte_ends import shared_ends
 from gateway.store.tokens import parents_first
 
 LEVEL = 3  # fast, and JSON conversations still shrink 5-10x
@@ -70,14 +70,6 @@ def unwhole(stored: bytes) -> bytes:
     return _plain()[1].decompress(stored)
 
 
-def _ends(parent: bytes, child: bytes, known: int = 0) -> tuple[int, int]:
-    """(shared prefix, shared suffix) lengths; the suffix never overlaps the prefix. `known`: a
-    prefix length they are known to share."""
-    shortest = min(len(parent), len(child))
-    pre = shared(parent, child, shortest, known=known)
-    return pre, shared(parent, child, shortest - pre, at_end=True)
-
-
 def _dict(content: bytes) -> zstandard.ZstdCompressionDict | None:
     if len(content) < _MIN_DICT:
         return None
@@ -88,7 +80,7 @@ def delta(parent: bytes, child: bytes, reply: bytes = b"", known: int = 0) -> by
     """`child` stored against `parent`: `apply(parent, delta(parent, child, r), r) == child`.
     `reply`: what the parent call returned (its stored response summary), which the child
     usually sends back. `known`: a prefix length the two are known to share."""
-    pre, suf = _ends(parent, child, known)
+    pre, suf = shared_ends(parent, child, known)
     d = _dict(parent[pre : len(parent) - suf] + reply)
     cctx = _plain()[0] if d is None else zstandard.ZstdCompressor(level=LEVEL, dict_data=d)
     return _HEADER.pack(pre, suf) + cctx.compress(child[pre : len(child) - suf])

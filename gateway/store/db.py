@@ -26,7 +26,7 @@ def start_embedded(data_dir: Path) -> str:
     return server.get_uri()
 
 
-async def _init_connection(conn: asyncpg.Connection) -> None:
+async def init_connection(conn: asyncpg.Connection) -> None:
     # jsonb in and out as Python objects, so queries pass dicts straight through.
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
@@ -84,7 +84,7 @@ async def open_pool(
         max_size=max_size,
         max_queries=50000,
         max_inactive_connection_lifetime=300.0,
-        init=_init_connection,
+        init=init_connection,
         reset=_keep_session,
         loop=None,
         connection_class=asyncpg.Connection,
