@@ -34,7 +34,7 @@ import zstandard
 
 from gateway import engine_ids
 from gateway.continuation.keys import RequestKeys
-from gateway.merge import best_base
+from gateway.merge.prefixes import best_base
 from gateway.protocols import chat
 from gateway.protocols.normalize import normalize_messages
 from gateway.rollout_memory import RecentCalls

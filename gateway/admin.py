@@ -18,7 +18,7 @@ from gateway.auth import hash_key, new_rollout_key
 from gateway.call_request import sampling_policy
 from gateway.continuation.splice import counts as continuation_counts
 from gateway.finalize import merge_rollout
-from gateway.merge import SideCalls
+from gateway.merge.values import SideCalls
 from gateway.protocols.errors import GatewayError
 from gateway.store import calls as calls_store
 from gateway.store import rollouts as rollouts_store
@@ -39,7 +39,7 @@ class NewRollout(msgspec.Struct, forbid_unknown_fields=True):
     group_id: str | None = None
     metadata: dict = {}
     timeout_s: _Timeout | None = None
-    # Which toolless calls are a harness's side calls, not trained (gateway/merge.py).
+    # Which toolless calls are a harness's side calls, not trained (gateway/merge/).
     side_calls: SideCalls = "auto"
 
 

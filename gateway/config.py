@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway import knobs
 from gateway.knobs import knob
-from gateway.merge import MergeOptions
+from gateway.merge.values import MergeOptions
 
 
 def default_data_dir() -> Path:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gateway import config
-from gateway.merge import MergeOptions
+from gateway.merge.values import MergeOptions
 
 # flag, its default once parsed, metavar, choices, help as `--help` prints it.
 FLAGS = [

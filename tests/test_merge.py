@@ -8,19 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.merge import (
-    CAUSES,
-    EXCLUSION_CAUSES,
-    SIDE_CALLS,
-    CallTokens,
-    MergeOptions,
-    TooManyCalls,
-    _Packed,
-    _Prefixes,
-    best_base,
-    common_prefix_len,
-    merge,
-)
+from gateway.merge import TooManyCalls, merge
+from gateway.merge.prefixes import Packed, Prefixes, best_base, common_prefix_len
+from gateway.merge.values import CAUSES, EXCLUSION_CAUSES, SIDE_CALLS, CallTokens, MergeOptions
 
 
 def make_call(cid, seq, prompt, completion, status="ok", tools=True):
@@ -442,13 +432,13 @@ def live_calls(calls):
 @given(tangles())
 def test_common_prefixes_match_brute_force(calls):
     live = live_calls(calls)
-    prefixes = _Prefixes(_Packed(live))
+    prefixes = Prefixes(Packed(live))
     for i, a in enumerate(live):
         assert prefixes.row(i).tolist() == [brute_force_lcp(full(a).tolist(), full(b).tolist())
                                             for b in live]
 
 
-class MatrixPrefixes(_Prefixes):
+class MatrixPrefixes(Prefixes):
     """The merge's former common-prefix table: every pair's, an n x n matrix (parents are
     checked against brute force in test_merge_invariants_hold_for_any_calls)."""
 
@@ -467,7 +457,7 @@ class MatrixPrefixes(_Prefixes):
 def test_merge_equals_the_merge_over_the_whole_matrix(calls, options):
     result = merge(calls, options)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr("gateway.merge._Prefixes", MatrixPrefixes)
+        m.setattr("gateway.merge.prefixes.Prefixes", MatrixPrefixes)
         reference = merge(calls, options)
     assert canonical(result) == canonical(reference)
     assert result.abandoned == reference.abandoned

@@ -20,7 +20,7 @@ import numpy as np
 
 from gateway import engine_ids
 from gateway.call_values import Outcome, ParsedCall
-from gateway.merge import best_base
+from gateway.merge.prefixes import best_base
 from gateway.protocols.errors import GatewayError
 from gateway.recording.recorder import Recorder, Unavailable
 from gateway.rollout_memory import RolloutMemory

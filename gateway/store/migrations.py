@@ -248,7 +248,7 @@ MIGRATIONS: list[tuple[int, str]] = [
     (
         8,
         """
-        -- Which toolless calls of a rollout are side calls (gateway/merge.py): 'auto', 'toolless'
+        -- Which toolless calls of a rollout are side calls (gateway/merge/): 'auto', 'toolless'
         -- or 'none', as its creator said on POST /admin/rollouts.
         ALTER TABLE rollouts ADD COLUMN side_calls text NOT NULL DEFAULT 'auto'
             CHECK (side_calls IN ('auto', 'toolless', 'none'));
