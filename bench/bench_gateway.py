@@ -252,7 +252,7 @@ async def loadgen(spec: LoadSpec) -> LoadResult:
             # After the warm-up: the gateway's pool has opened the connections it needs.
             pids["postgres"] = await _postgres_backends(*spec.postgres)
         left = [spec.requests]
-        stages0 = await _stage_cpu(session, spec.metrics)
+        stages0 = await stage_cpu(session, spec.metrics)
         cpu0, own0 = _cpu(pids), time.process_time()
         t_start = time.perf_counter()
         deadline = t_start + spec.seconds
@@ -266,13 +266,19 @@ async def loadgen(spec: LoadSpec) -> LoadResult:
         res.wall_s = time.perf_counter() - t_start
         own = time.process_time() - own0
         cpu1 = _cpu(pids)
-        stages1 = await _stage_cpu(session, spec.metrics)
-    calls = stages1.pop("calls", 0.0) - stages0.pop("calls", 0.0)
-    if calls > 0:
-        res.stage_cpu_us = {k: (v - stages0[k]) * 1e6 / calls for k, v in stages1.items()}
+        stages1 = await stage_cpu(session, spec.metrics)
+    res.stage_cpu_us = stage_cpu_per_call(stages0, stages1)
     res.cpu_s = {"loadgen": own, **{k: sum(cpu1[k]) - sum(cpu0[k]) for k in cpu1}}
     res.system_cpu_s = {k: cpu1[k][1] - cpu0[k][1] for k in cpu1}
     return res
+
+
+def stage_cpu_per_call(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """µs per call in each stage between two `stage_cpu` readings; {} if none were measured."""
+    calls = after.get("calls", 0.0) - before.get("calls", 0.0)
+    if calls <= 0:
+        return {}
+    return {k: (v - before[k]) * 1e6 / calls for k, v in after.items() if k != "calls"}
 
 
 _STAGE_LINE = re.compile(
@@ -280,7 +286,7 @@ _STAGE_LINE = re.compile(
 )
 
 
-async def _stage_cpu(session, metrics: tuple[str, str] | None) -> dict[str, float]:
+async def stage_cpu(session, metrics: tuple[str, str] | None) -> dict[str, float]:
     """The gateway's CPU per stage so far (s), and `calls`: the calls it measured."""
     if metrics is None:
         return {}
