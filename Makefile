@@ -95,6 +95,7 @@ lint: install
 	$(BIN)/ruff check gateway trainer_bridge sandbox tests bench
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/lint-imports
+	$(BIN)/pyright
 
 # On a GPU node (at least two GPUs): vLLM and the bridge with NCCL weight sync for 2 optimizer
 # steps of the tiny model, PASS or FAIL per stage (sandbox/gpu_check.py). Its own environment

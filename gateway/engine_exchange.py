@@ -23,9 +23,6 @@ if TYPE_CHECKING:
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
-# Protocols that pass the engine's id arrays through (or drop them) without reading them; the
-# others only count the prompt ids, and are handed the array the capture holds.
-_PASSES_IDS = frozenset({"chat", "completions"})
 
 
 def upstream_error(status: int, raw: bytes) -> GatewayError:
@@ -65,7 +62,7 @@ class EngineCall:
 
     def __init__(
         self,
-        protocol: str,
+        passes_ids: bool,  # the protocol passes the engine's prompt ids on unread
         plan: Turn | None,
         upstream: str,
         rerouted: str | None,
@@ -79,7 +76,7 @@ class EngineCall:
         # The engine's prompt ids as JSON pieces: as it echoed them, or as they were sent.
         self.prompt_json: engine_ids.Pieces | None = None
         self._sent_prompt: bytes | None = None  # the prompt ids sent, as JSON, if echoed back
-        self._passes_ids = protocol in _PASSES_IDS
+        self._passes_ids = passes_ids
         self._started = started
 
     def body(self, body: dict, requested: dict, client_ids: bool) -> bytes:
@@ -154,7 +151,8 @@ class EngineCall:
 
     def _hand_over(self, holder: dict, text, ids) -> None:
         """Puts the prompt ids where the engine's response holds them, as the protocol takes
-        them: as their JSON `text` (encoded as it is), or as the array."""
+        them: as their JSON `text` (encoded as it is) if it passes them on unread
+        (`Adapter.passes_engine_ids`), or as the array it counts."""
         holder[engine_ids.KEY] = text if self._passes_ids else ids
 
     def result(self) -> EngineResult:

@@ -131,7 +131,7 @@ class Pipeline:
         plan = None
         if proto.upstream_path == CHAT_PATH:  # legacy completions has no messages
             plan = await self._planner.prepare(rollout_id, upstream, translated.body, clock)
-        engine = EngineCall(proto.name, plan, upstream, rerouted, call.started)
+        engine = EngineCall(proto.passes_engine_ids, plan, upstream, rerouted, call.started)
         encoded = engine.body(translated.body, translated.call.requested, translated.client_ids)
         clock.lap("plan")
         call._task = asyncio.current_task()

@@ -33,7 +33,7 @@ def _body(messages, head, tail) -> dict:
 def _check(decoder: Decoder, raw: bytes, earlier) -> tuple:
     """decode(raw, earlier), asserting it equals decoding `raw` whole (or fails as it does)."""
     try:
-        expected = msgspec.json.decode(raw, type=decoder._whole.type)
+        expected = msgspec.json.decode(raw, type=decoder.type)
     except msgspec.DecodeError as exc:
         with pytest.raises(type(exc)):
             decoder.decode(raw, earlier)

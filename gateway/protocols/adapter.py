@@ -8,6 +8,9 @@ so the relay asks, never probes:
 - `upstream_path`: the engine endpoint the translated request goes to;
 - `normalises_messages`: the translation already ran `normalize_messages` over the chat
   messages (on the new turns only, for a resumed request), so the relay must not again;
+- `passes_engine_ids`: the emission passes the engine's prompt id array through to the client
+  (or drops it) unread, so the relay hands it over as its JSON text; the others only count
+  those ids, and are handed the array the capture holds;
 - `stateful`: the protocol keeps server-side conversations (`previous_response_id`): the
   relay resolves `previous_id` to the stored history before translating, and stores
   `stored_state` with the call for the requests that continue it.
@@ -68,6 +71,7 @@ class Adapter(ABC, Generic[RequestT, ContextT]):
     name: ClassVar[str]
     upstream_path: ClassVar[str] = CHAT_PATH
     normalises_messages: ClassVar[bool] = False
+    passes_engine_ids: ClassVar[bool] = False
     stateful: ClassVar[bool] = False
 
     @abstractmethod

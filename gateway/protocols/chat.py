@@ -22,8 +22,8 @@ from gateway.protocols.openai_common import (
     render_error,
     strip_capture,
 )
+from gateway.protocols.request_common import check_object_schema
 from gateway.protocols.resumable import Decoder, Layout
-from gateway.protocols.tools import check_object_schema
 
 NAME = "chat"
 UPSTREAM_PATH = "/v1/chat/completions"
@@ -189,6 +189,7 @@ class Stream(StreamBase):
 
 class ChatAdapter(Adapter[dict[str, Any], Context]):
     name = NAME
+    passes_engine_ids = True
 
     def parse(
         self, raw: bytes, earlier: Iterable[Layout] = ()

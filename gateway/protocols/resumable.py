@@ -79,6 +79,7 @@ class Decoder:
 
     def __init__(self, field: str, type: Any = Any, min_bytes: int = MIN_BYTES) -> None:
         self.field = field
+        self.type = type  # what a body decodes to
         self.min_bytes = min_bytes
         self._whole = msgspec.json.Decoder(type)
         self._items = msgspec.json.Decoder(
@@ -127,7 +128,7 @@ class Decoder:
             return None
         start = _offset(raws[0], raw)
         opens = raw.rfind(b"[", 0, start)
-        if opens < 0 or _WS.match(raw, opens + 1).end() != start:
+        if opens < 0 or _skip_ws(raw, opens + 1) != start:
             return None
         ends = _ends(raw, start, raws)
         return None if ends is None else Layout(raw, items, opens, ends, self)
@@ -146,7 +147,7 @@ class Decoder:
         if not raws:
             return None
         start = _offset(raws[0], small)
-        if start != _WS.match(small, earlier.opens + 1).end():
+        if start != _skip_ws(small, earlier.opens + 1):
             return None  # another array of the same key is the one decoded
         tail = _ends(small, start, raws)
         try:
@@ -164,6 +165,12 @@ class Decoder:
         shift = cut - (earlier.opens + 1)  # from `small`'s offsets to `raw`'s
         ends = earlier.ends[:k] + [end + shift for end in tail]
         return body, Layout(raw, items, earlier.opens, ends, self, k, earlier)
+
+
+def _skip_ws(raw: bytes, at: int) -> int:
+    """The offset of the first byte from `at` on that is not JSON white space."""
+    match = _WS.match(raw, at)
+    return at if match is None else match.end()
 
 
 def _opens_with(raw: bytes, layout: Layout, k: int) -> bool:

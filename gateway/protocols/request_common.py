@@ -1,15 +1,69 @@
-"""Tools on the request side, for every protocol: the chat-completions tool a client's tool
-becomes, the checks on tool schemas and names, and the chat form of a tool choice.
+"""The request-side helpers every protocol's translation shares: the texts of request errors
+(with msgspec's path turned into the request field), tools and tool choice in chat form with
+the checks on them, and text content and system prompts as chat messages.
 
-vLLM accepts a malformed schema and runs the request anyway (the tool parser and the grammar
-then misbehave quietly), so the gateway refuses it with the field that is wrong."""
+vLLM accepts a malformed tool schema and runs the request anyway (the tool parser and the
+grammar then misbehave quietly), so the gateway refuses it with the field that is wrong."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
-from gateway.protocols.errors import bad_request
+import msgspec
+
+from gateway.protocols.errors import GatewayError
+
+# -- request errors ------------------------------------------------------------------------------
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, "invalid_request_error", param=param)
+
+
+def text_only(kind: str, path: str, param: str | None = None) -> GatewayError:
+    """`kind` content (image, document, audio...) at `path` of the request: refused, with a
+    message that says why, because the served models read text only."""
+    return bad_request(
+        f"{path}: {kind} content is not supported: the served model is text-only",
+        param=param or path,
+    )
+
+
+_AT = " - at `$"
+_MISSING = re.compile(r"^Object missing required field `([^`]+)`$")
+
+
+def invalid_field(exc: msgspec.DecodeError, root: str = "") -> tuple[str, str, bool]:
+    """msgspec's message split into (what is wrong, the request field it names, whether the
+    field is missing). The path is msgspec's (`messages[0].content`, under `root`); a missing
+    field is named itself, not the object that lacks it."""
+    text, sep, at = str(exc).partition(_AT)
+    path = root + (at[:-1] if sep else "")
+    missing = _MISSING.match(text)
+    if missing:
+        path = f"{path}.{missing[1]}"
+    return text, path.lstrip("."), missing is not None
+
+
+# -- text content --------------------------------------------------------------------------------
+
+
+def text_content(texts: list[str]) -> str | list[dict[str, str]]:
+    """Chat content of a message's text parts: one stays a string, several stay separate parts,
+    as the client sent them."""
+    if len(texts) == 1:
+        return texts[0]
+    return [{"type": "text", "text": t} for t in texts]
+
+
+def system_messages(text: str | None) -> list[dict[str, Any]]:
+    """The chat system message of a system prompt or instructions; none for None."""
+    return [] if text is None else [{"role": "system", "content": text}]
+
+
+# -- tools ---------------------------------------------------------------------------------------
 
 
 def check_object_schema(schema: Any, path: str) -> None:
