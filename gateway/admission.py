@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Protocol
+import uuid
+from datetime import UTC, datetime
 
 from aiohttp import web
 
@@ -18,9 +19,34 @@ log = logging.getLogger(__name__)
 _RETRY_AFTER_S = "1"
 
 
-class Abortable(Protocol):
-    def abort(self, status: str, reason: str) -> None: ...
+class RunningCall:
+    """One model call while it runs, as admission sees it: something a shutdown can end."""
 
+    __slots__ = ("id", "rollout_id", "started", "started_at", "aborted", "task", "recording")
+
+    def __init__(self, rollout_id: uuid.UUID) -> None:
+        self.id = uuid.uuid4()
+        self.rollout_id = rollout_id
+        self.started = time.perf_counter()
+        self.started_at = datetime.now(UTC)
+        # Set by `abort` (shutdown deadline, ejected replica): (status to record, why).
+        self.aborted: tuple[str, str] | None = None
+        self.task: asyncio.Task | None = None  # set once it may be aborted
+        self.recording = False  # past the point of no abort
+
+    def abort(self, status: str, reason: str) -> None:
+        """Ends the call from outside: it stops waiting on the engine, records `status` and
+        answers with an error in its protocol. No-op once it is recording."""
+        # A call whose own failure ejects its replica is already ending; it is not aborted.
+        task = self.task
+        if (
+            self.aborted is None
+            and not self.recording
+            and task is not None
+            and task is not asyncio.current_task()
+        ):
+            self.aborted = (status, reason)
+            task.cancel()
 
 class Admission:
     def __init__(self, limit: int) -> None:
@@ -29,7 +55,7 @@ class Admission:
         self.closing = False  # set on SIGTERM: new calls are refused, in-flight ones finish
         # Model calls in flight (each with an `abort`), ended in their protocol's terms when a
         # shutdown's drain time is up.
-        self.calls: set[Abortable] = set()
+        self.calls: set[RunningCall] = set()
 
     def enter(self, request: web.Request) -> None:
         """Counts a model request in, or refuses it in its protocol's terms: OpenAI's 429

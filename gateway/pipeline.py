@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 import uuid
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -19,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from gateway import call_request
+from gateway.admission import RunningCall
 from gateway.call_values import Outcome
 from gateway.engine_exchange import EngineCall, stale_connection, upstream_error
 from gateway.protocols.adapter import CHAT_PATH, Adapter
@@ -47,38 +47,10 @@ STREAM_STARTED = "rolltap.stream_started"
 _encode = msgspec.json.encode
 
 
-class Call:
-    """One running call as the rest of the gateway sees it: something a shutdown can abort."""
-
-    __slots__ = ("id", "rollout_id", "started", "started_at", "aborted", "_task", "_recording")
-
-    def __init__(self, rollout_id: uuid.UUID) -> None:
-        self.id = uuid.uuid4()
-        self.rollout_id = rollout_id
-        self.started = time.perf_counter()
-        self.started_at = datetime.now(UTC)
-        # Set by `abort` (shutdown deadline, ejected replica): (status to record, why).
-        self.aborted: tuple[str, str] | None = None
-        self._task: asyncio.Task | None = None
-        self._recording = False
-
-    def abort(self, status: str, reason: str) -> None:
-        """Ends the call from outside: it stops waiting on the engine, records `status` and
-        answers with an error in its protocol. No-op once it is recording."""
-        # A call whose own failure ejects its replica is already ending; it is not aborted.
-        task = self._task
-        if (
-            self.aborted is None
-            and not self._recording
-            and task is not None
-            and task is not asyncio.current_task()
-        ):
-            self.aborted = (status, reason)
-            task.cancel()
-
-    def abort_error(self) -> GatewayError:
-        assert self.aborted is not None
-        return GatewayError(503, self.aborted[1], "overloaded_error")
+def _abort_error(call: RunningCall) -> GatewayError:
+    """What the client of a call ended from outside is told."""
+    assert call.aborted is not None
+    return GatewayError(503, call.aborted[1], "overloaded_error")
 
 
 class Pipeline:
@@ -122,7 +94,7 @@ class Pipeline:
             proto, req, layout, raw, request.headers, self._response_state(rollout_id, clock),
             self._model_check(clock), self._config.temperature, self._config.default_max_tokens,
         )  # fmt: skip
-        call = Call(rollout_id)
+        call = RunningCall(rollout_id)
         previous = self._upstreams.placed(rollout_id)
         if previous is None:  # first call here: continue where another gateway placed it
             previous = await clock.wait("parse", self._last_upstream(rollout_id))
@@ -134,7 +106,7 @@ class Pipeline:
         engine = EngineCall(proto.passes_engine_ids, plan, upstream, rerouted, call.started)
         encoded = engine.body(translated.body, translated.call.requested, translated.client_ids)
         clock.lap("plan")
-        call._task = asyncio.current_task()
+        call.task = asyncio.current_task()
         self._admission.calls.add(call)
         try:
             return await self._forward(request, proto, translated, call, engine, encoded, clock)
@@ -159,7 +131,7 @@ class Pipeline:
 
     async def _record(
         self,
-        call: Call,
+        call: RunningCall,
         translated: call_request.Translated,
         engine: EngineCall,
         status: str,
@@ -168,7 +140,7 @@ class Pipeline:
         clock: Clock | None = None,
     ) -> None:
         """Freezes the call's outcome and returns once recording has made it durable."""
-        call._recording = True
+        call.recording = True
         stored = translated.stored_state
         outcome = Outcome(
             call_id=call.id,
@@ -194,7 +166,7 @@ class Pipeline:
                   else "")  # fmt: skip
 
     async def _forward(
-        self, request, proto, translated, call: Call, engine: EngineCall, encoded: bytes,
+        self, request, proto, translated, call: RunningCall, engine: EngineCall, encoded: bytes,
         clock: Clock,
     ) -> web.StreamResponse:  # fmt: skip
         upstreams = self._upstreams
@@ -244,13 +216,13 @@ class Pipeline:
                     raise
                 asyncio.current_task().uncancel()
                 await self._record(call, translated, engine, *call.aborted)
-                raise call.abort_error() from None
+                raise _abort_error(call) from None
             finally:
                 upstreams.end(upstream, on_eject)
         raise AssertionError("unreachable")
 
     async def _whole(
-        self, proto, translated, call: Call, engine: EngineCall, resp, version_at_start: int,
+        self, proto, translated, call: RunningCall, engine: EngineCall, resp, version_at_start: int,
         clock: Clock,
     ) -> web.Response:  # fmt: skip
         try:
@@ -279,7 +251,7 @@ class Pipeline:
         return response
 
     async def _streamed(
-        self, request, proto, translated, call: Call, engine: EngineCall, resp, clock: Clock
+        self, request, proto, translated, call: RunningCall, engine: EngineCall, resp, clock: Clock
     ) -> web.StreamResponse:
         upstreams = self._upstreams
         out = web.StreamResponse(
@@ -334,7 +306,7 @@ class Pipeline:
                 await self._record_abandoned(call, translated, engine)
                 raise
             asyncio.current_task().uncancel()
-            status, failure = call.aborted[0], call.abort_error()
+            status, failure = call.aborted[0], _abort_error(call)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             resp.close()
             await self._record_abandoned(call, translated, engine)
@@ -387,7 +359,7 @@ class Pipeline:
             pass  # recorded already; the client left after the last token
         return out
 
-    async def _record_abandoned(self, call: Call, translated, engine: EngineCall) -> None:
+    async def _record_abandoned(self, call: RunningCall, translated, engine: EngineCall) -> None:
         """Records a call whose client went away; nobody is left to tell if that fails."""
         try:
             await self._record(call, translated, engine, "aborted", "client disconnected")
