@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from gateway import response_chain
 from gateway.call_values import ParsedCall
-from gateway.constraints import CAPTURE_OFF, constraints
+from gateway.constraints import CAPTURE_OFF, constraints, strip_unknown
 from gateway.protocols.adapter import Adapter
 from gateway.protocols.errors import GatewayError
 from gateway.protocols.normalize import normalize_messages
@@ -31,6 +31,10 @@ SAMPLING_KEYS = (
     "top_logprobs",
     "logprobs",
 )
+
+
+# Fields the stage takes out of the body itself (below), so the allow-list need not name them.
+_HANDLED = frozenset((*SAMPLING_KEYS, *CAPTURE_OFF))
 
 
 def sampling_policy(temperature: float) -> dict[str, Any]:
@@ -114,6 +118,7 @@ async def translate(
         body["messages"] = normalize_messages(body["messages"], raw)
     offered_tools = bool(body.get("tools"))
     client_ids = bool(body.get("return_token_ids"))
+    stripped = strip_unknown(body, _HANDLED)
     requested, applied = pin_sampling(body, temperature, proto.upstream_path)
     for key in CAPTURE_OFF:
         if key in body:
@@ -121,6 +126,8 @@ async def translate(
     bad = values.problem(requested)
     if bad:
         raise GatewayError(400, f"invalid request: {bad}", param=bad.partition(":")[0])
+    if stripped:
+        applied["stripped"] = stripped
     constrained_by = constraints(body)
     if constrained_by:
         applied["constrained_by"] = constrained_by

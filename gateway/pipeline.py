@@ -47,6 +47,13 @@ STREAM_STARTED = "rolltap.stream_started"
 _encode = msgspec.json.encode
 
 
+def _replica_fault(exc: BaseException | None) -> bool:
+    """Whether a call's failure tells of its replica. A timeout does not: a long generation
+    (or prompt) runs past --upstream-timeout on a healthy engine, and a frozen one fails the
+    prober's probes."""
+    return not isinstance(exc, TimeoutError)
+
+
 def _abort_error(call: RunningCall) -> GatewayError:
     """What the client of a call ended from outside is told."""
     assert call.aborted is not None
@@ -185,7 +192,8 @@ class Pipeline:
                 except GatewayError as err:
                     if attempt == 0 and stale_connection(err.__cause__):
                         continue  # once more, on a new connection
-                    upstreams.failed(upstream, err.message)
+                    if _replica_fault(err.__cause__):
+                        upstreams.failed(upstream, err.message, call.rollout_id)
                     if attempt == 0 and isinstance(err.__cause__, aiohttp.ClientConnectorError):
                         # Nothing reached the engine, so another replica can take the call as is.
                         try:
@@ -201,7 +209,7 @@ class Pipeline:
                 async with resp:
                     if resp.status != 200:
                         if resp.status >= 500:
-                            upstreams.failed(upstream, f"HTTP {resp.status}")
+                            upstreams.failed(upstream, f"HTTP {resp.status}", call.rollout_id)
                         err = upstream_error(resp.status, await resp.read())
                         await self._record(call, translated, engine, "failed", err.message)
                         raise err
@@ -229,7 +237,8 @@ class Pipeline:
             raw = await clock.wait("engine", resp.read())
         except (TimeoutError, aiohttp.ClientError) as exc:
             message = f"upstream response broke: {exc or type(exc).__name__}"
-            self._upstreams.failed(engine.upstream, message)
+            if _replica_fault(exc):
+                self._upstreams.failed(engine.upstream, message, call.rollout_id)
             await self._record(call, translated, engine, "failed", message)
             raise GatewayError(502, message, "upstream_error") from None
         # The tokens were sampled under the version live at the start or the one at the end:
@@ -313,12 +322,13 @@ class Pipeline:
             raise
         except StreamStalled as exc:
             failure = GatewayError(504, f"upstream {engine.upstream}: {exc}", "upstream_error")
-            upstreams.failed(engine.upstream, str(exc))
+            upstreams.failed(engine.upstream, str(exc), call.rollout_id)
         except (TimeoutError, aiohttp.ClientError) as exc:
             failure = GatewayError(
                 502, f"upstream stream broke: {exc or type(exc).__name__}", "upstream_error"
             )
-            upstreams.failed(engine.upstream, failure.message)
+            if _replica_fault(exc):
+                upstreams.failed(engine.upstream, failure.message, call.rollout_id)
         finally:
             await batches.aclose()  # stops its timer now, not when the generator is collected
         if failure is None and cap.finish_reason in ("abort", "error"):

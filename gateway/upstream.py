@@ -219,10 +219,11 @@ class Upstreams:
 
     # -- health ------------------------------------------------------------------------------
 
-    def failed(self, url: str, reason: str) -> None:
-        """A passive signal: a call to `url` could not connect, got a 5xx, broke or froze."""
+    def failed(self, url: str, reason: str, rollout_id: UUID | None = None) -> None:
+        """`url` could not connect, got a 5xx, broke or froze: on a call of `rollout_id`, or
+        on a probe (None). See `routing.Health` for how each counts."""
         replica = self.replicas.get(url)
-        if replica is not None and replica.health.failure(time.monotonic(), reason):
+        if replica is not None and replica.health.failure(time.monotonic(), reason, rollout_id):
             log.warning("ejecting replica %s: %s", url, reason)
             self._changed(replica)
             for abort in list(replica._aborts):
