@@ -121,26 +121,32 @@ def _model_route(proto: Adapter):
     async def handler(request: web.Request) -> web.StreamResponse:
         app = request.app
         admission = app[ADMISSION]
-        admission.enter(request)
-        try:
-            rollout_id = await app[ROLLOUT_KEYS].rollout_for(request.headers)
-            request[ROLLOUT_KEY] = rollout_id
+        rollout_id = await app[ROLLOUT_KEYS].rollout_for(request.headers)
+        request[ROLLOUT_KEY] = rollout_id
+        with admission.rollout_share(request, rollout_id):
             raw = await traffic.read_body(request, app[CONFIG].body_timeout_s)
-            return await app[PIPELINE].serve(request, proto, raw, rollout_id)
-        finally:
-            admission.leave()
+            with admission.gateway_slot(request):
+                return await app[PIPELINE].serve(request, proto, raw, rollout_id)
 
     return handler
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    """Anthropic's token counter, answered by the engine's own tokenizer and chat template."""
+    """Anthropic's token counter, answered by the engine's own tokenizer and chat template,
+    under the same shares and limit as the model calls (it costs the engine a render)."""
     app = request.app
-    upstreams = app[UPSTREAMS]
+    admission = app[ADMISSION]
     rollout_id = await app[ROLLOUT_KEYS].rollout_for(request.headers)
-    req = anthropic.parse_count_tokens(
-        await traffic.read_body(request, app[CONFIG].body_timeout_s)
-    )
+    request[ROLLOUT_KEY] = rollout_id
+    with admission.rollout_share(request, rollout_id):
+        raw = await traffic.read_body(request, app[CONFIG].body_timeout_s)
+        with admission.gateway_slot(request):
+            return await _count_tokens(app, raw, rollout_id)
+
+
+async def _count_tokens(app: web.Application, raw: bytes, rollout_id) -> web.Response:
+    upstreams = app[UPSTREAMS]
+    req = anthropic.parse_count_tokens(raw)
     body = anthropic.count_tokens_request(req)
     model = req.body.model
     await app[MODELS].check(model)

@@ -164,6 +164,13 @@ class GatewayConfig:
     max_inflight: int = field(default=1024, metadata=_opt(
         "model calls served at once; past it callers get 429 (OpenAI) or 529 (Anthropic) with "
         "Retry-After", "N", type=int))
+    rollout_max_inflight: int = field(default=32, metadata=_opt(
+        "model calls one rollout may have at once, counted from its request head (a body "
+        "still being sent counts); past it that rollout's callers get 429 (OpenAI) or 529 "
+        "(Anthropic) with Retry-After, and other rollouts are not affected", "N", type=int))
+    rollout_max_rps: float = field(default=20.0, metadata=_opt(
+        "model calls one rollout may start per second, with bursts of twice as many; past it "
+        "that rollout's callers get 429 with Retry-After", "RATE", type=float))
     drain_timeout_s: float = field(default=30.0, metadata=_opt(
         "on SIGTERM/SIGINT, seconds in-flight calls may still finish; then they are recorded "
         "aborted and ended with an error event", "SECONDS", type=float))
@@ -185,9 +192,11 @@ class GatewayConfig:
         )
 
     def __post_init__(self) -> None:
-        for name in ("eject_after", "max_inflight"):
+        for name in ("eject_after", "max_inflight", "rollout_max_inflight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag_of(name)} must be at least 1")
+        if not self.rollout_max_rps > 0:
+            raise ValueError("--rollout-max-rps must be a positive number of calls a second")
         for name in ("probe_interval_s", "ttft_timeout_s", "stream_idle_timeout_s",
                      "idle_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:

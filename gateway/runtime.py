@@ -71,7 +71,8 @@ class Runtime:
         self.memory = RolloutMemory(config.recent_calls_mib << 20)
         self.policy = PolicyVersion()
         self.models = ServedModels(self.upstreams)
-        self.admission = Admission(config.max_inflight)
+        self.admission = Admission(config.max_inflight, config.rollout_max_inflight,
+                                   config.rollout_max_rps)
         self.metrics = Metrics()
         self.renderer = _renderer(config, self.upstreams)
         planner = Continuer(

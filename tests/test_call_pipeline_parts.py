@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 from gateway import response_chain
 from gateway.metrics import Metrics
@@ -77,18 +78,70 @@ def test_admission_refuses_past_its_limit_and_while_closing_in_the_callers_terms
     from gateway.admission import Admission
     from gateway.protocols.errors import GatewayError
 
-    admission = Admission(limit=1)
-    first = make_mocked_request("POST", "/v1/chat/completions")
-    admission.enter(first)
-    assert admission.in_flight == 1
-    for path, status in (("/v1/chat/completions", 429), ("/v1/messages", 529)):
-        request = make_mocked_request("POST", path)
-        with pytest.raises(GatewayError) as refused:
-            admission.enter(request)
-        assert refused.value.status == status and request["retry_after"] == "1"
-    admission.leave()
+    admission = Admission(limit=1, rollout_limit=8, rollout_rate=100)
+    with admission.gateway_slot(make_mocked_request("POST", "/v1/chat/completions")):
+        assert admission.in_flight == 1
+        for path, status in (("/v1/chat/completions", 429), ("/v1/messages", 529)):
+            request = make_mocked_request("POST", path)
+            with pytest.raises(GatewayError) as refused:
+                with admission.gateway_slot(request):
+                    pass
+            assert refused.value.status == status and request["retry_after"] == "1"
     admission.closing = True
-    with pytest.raises(GatewayError) as refused:
-        admission.enter(make_mocked_request("POST", "/v1/chat/completions"))
-    assert refused.value.status == 503
+    for hold in (admission.gateway_slot, lambda r: admission.rollout_share(r, uuid.uuid4())):
+        with pytest.raises(GatewayError) as refused:
+            with hold(make_mocked_request("POST", "/v1/chat/completions")):
+                pass
+        assert refused.value.status == 503
     assert admission.in_flight == 0
+
+
+def test_one_rollout_past_its_share_leaves_the_others_their_calls():
+    """Issue #28, attack 9: one rollout's requests (bodies still coming in count) are held to
+    its share; another rollout is let in, and the gateway's slots are untouched."""
+    import contextlib
+
+    import pytest
+    from aiohttp.test_utils import make_mocked_request
+
+    from gateway.admission import Admission
+    from gateway.protocols.errors import GatewayError
+
+    admission = Admission(limit=4, rollout_limit=3, rollout_rate=1000)
+    hog, other = uuid.uuid4(), uuid.uuid4()
+    with contextlib.ExitStack() as held:
+        for _ in range(3):
+            held.enter_context(admission.rollout_share(
+                make_mocked_request("POST", "/v1/messages"), hog))
+        request = make_mocked_request("POST", "/v1/messages")
+        with pytest.raises(GatewayError) as refused:
+            held.enter_context(admission.rollout_share(request, hog))
+        assert refused.value.status == 529 and "--rollout-max-inflight" in refused.value.message
+        with admission.rollout_share(make_mocked_request("POST", "/v1/messages"), other):
+            with admission.gateway_slot(make_mocked_request("POST", "/v1/messages")):
+                assert admission.in_flight == 1
+    with admission.rollout_share(make_mocked_request("POST", "/v1/messages"), hog):
+        pass  # its slots came back
+
+
+def test_a_rollout_starting_calls_too_fast_is_told_when_to_retry():
+    import pytest
+    from aiohttp.test_utils import make_mocked_request
+
+    from gateway.admission import Admission
+    from gateway.protocols.errors import GatewayError
+
+    admission = Admission(limit=100, rollout_limit=100, rollout_rate=2)
+    fast = uuid.uuid4()
+    for _ in range(4):  # the burst: twice the rate
+        with admission.rollout_share(make_mocked_request("POST", "/v1/chat/completions"), fast):
+            pass
+    request = make_mocked_request("POST", "/v1/chat/completions")
+    with pytest.raises(GatewayError) as refused:
+        with admission.rollout_share(request, fast):
+            pass
+    assert refused.value.status == 429 and "--rollout-max-rps" in refused.value.message
+    assert request["retry_after"] == "1"
+    with admission.rollout_share(make_mocked_request("POST", "/v1/chat/completions"),
+                                 uuid.uuid4()):
+        pass  # another rollout is not slowed
