@@ -6,6 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Generator
 
+from gateway.protocols.errors import GatewayError
+
+# Each link is a query on the call's path: a rollout that chains every response to the one
+# before would otherwise make its n-th call walk n of them (issue #28).
+MAX_LINKS = 256
+
 # Yields each response id to look up, is sent its stored state (None if there is none), and
 # returns the chain's items (None if not even the first was found).
 Walk = Generator[str, dict | None, list | None]
@@ -14,6 +20,11 @@ Walk = Generator[str, dict | None, list | None]
 def _walk(response_id: str | None) -> Walk:
     chain: list[list] = []
     while response_id:
+        if len(chain) == MAX_LINKS:
+            raise GatewayError(
+                400, f"previous_response_id: the chain of stored responses is longer than "
+                f"{MAX_LINKS}; send the conversation as `input` (with `store: false`) instead",
+                param="previous_response_id")
         state = yield response_id
         if state is None:
             break

@@ -145,3 +145,36 @@ def test_a_rollout_starting_calls_too_fast_is_told_when_to_retry():
     with admission.rollout_share(make_mocked_request("POST", "/v1/chat/completions"),
                                  uuid.uuid4()):
         pass  # another rollout is not slowed
+
+
+def test_a_response_chain_is_walked_at_most_max_links_deep():
+    """Issue #28: each link costs a query on the call's path; a chain of every response to the
+    one before (or a loop) ends with a 400 that says what to send instead."""
+    import pytest
+
+    from gateway.protocols.errors import GatewayError
+
+    limit = response_chain.MAX_LINKS
+    states = {f"r{i}": {"items": [i], "previous_response_id": f"r{i - 1}" if i else None}
+              for i in range(limit + 1)}
+    assert response_chain.items(f"r{limit - 1}", states.get) == list(range(limit))
+    seen = []
+
+    def lookup(response_id):
+        seen.append(response_id)
+        return states.get(response_id)
+
+    with pytest.raises(GatewayError) as refused:
+        response_chain.items(f"r{limit}", lookup)
+    assert refused.value.status == 400 and refused.value.param == "previous_response_id"
+    assert len(seen) == limit
+    loop = {"a": {"items": [1], "previous_response_id": "a"}}
+    with pytest.raises(GatewayError):
+        asyncio.run(response_chain.items_async("a", _async(loop.get)))
+
+
+def _async(fn):
+    async def lookup(key):
+        return fn(key)
+
+    return lookup
