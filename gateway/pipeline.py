@@ -46,6 +46,10 @@ STREAM_STARTED = "rolltap.stream_started"
 
 _encode = msgspec.json.encode
 
+# A streamed response's bytes its client has not taken yet, at most: about 80,000 tokens of
+# chat chunks, far beyond what a harness that reads leaves behind.
+_UNSENT_LIMIT = 16 << 20
+
 
 def _replica_fault(exc: BaseException | None) -> bool:
     """Whether a call's failure tells of its replica. A timeout does not: a long generation
@@ -268,6 +272,13 @@ class Pipeline:
         )
         await clock.wait("respond", out.prepare(request))
         request[STREAM_STARTED] = out
+        # The engine is read at its own pace, whatever the client does: each token is stamped
+        # with the policy version live when it arrives, so a client that reads slowly across a
+        # weight sync cannot move tokens to the new version (issue #28). What the client has not
+        # taken waits in the transport, up to `_UNSENT_LIMIT`; past it the call fails.
+        transport = request.transport
+        if transport is not None:
+            transport.set_write_buffer_limits(high=2 * _UNSENT_LIMIT)
         stream = proto.stream(translated.ctx)
         cap = engine.capture
         failure: GatewayError | None = None
@@ -307,6 +318,12 @@ class Pipeline:
                 joined = b"".join(pieces)
                 if joined:  # an empty write could read as the end of a chunked body
                     await clock.wait("stream", out.write(joined))
+                if failure is None and transport is not None and (
+                    transport.get_write_buffer_size() > _UNSENT_LIMIT
+                ):
+                    failure = GatewayError(
+                        408, f"the client read too slowly: over {_UNSENT_LIMIT >> 20} MiB of "
+                        "the response waited for it", "api_error")
                 if done or failure is not None:
                     break
         except asyncio.CancelledError:
@@ -367,6 +384,8 @@ class Pipeline:
             await out.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             pass  # recorded already; the client left after the last token
+        if transport is not None and not transport.is_closing():
+            transport.set_write_buffer_limits()  # the connection's next request: as before
         return out
 
     async def _record_abandoned(self, call: RunningCall, translated, engine: EngineCall) -> None:
