@@ -171,6 +171,9 @@ class GatewayConfig:
     rollout_max_rps: float = field(default=20.0, metadata=_opt(
         "model calls one rollout may start per second, with bursts of twice as many; past it "
         "that rollout's callers get 429 with Retry-After", "RATE", type=float))
+    rollout_max_stored_mb: float = field(default=1024.0, metadata=_opt(
+        "body bytes one rollout may store (compressed, as stored); past it its calls are "
+        "refused with 413 and not recorded", "MB", type=float))
     drain_timeout_s: float = field(default=30.0, metadata=_opt(
         "on SIGTERM/SIGINT, seconds in-flight calls may still finish; then they are recorded "
         "aborted and ended with an error event", "SECONDS", type=float))
@@ -195,6 +198,8 @@ class GatewayConfig:
         for name in ("eject_after", "max_inflight", "rollout_max_inflight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag_of(name)} must be at least 1")
+        if not self.rollout_max_stored_mb > 0:
+            raise ValueError("--rollout-max-stored-mb must be a positive number of megabytes")
         if not self.rollout_max_rps > 0:
             raise ValueError("--rollout-max-rps must be a positive number of calls a second")
         for name in ("probe_interval_s", "ttft_timeout_s", "stream_idle_timeout_s",

@@ -96,6 +96,7 @@ class Pipeline:
         """Serve one harness call through `proto`."""
         clock = self.cpu.clock()
         self._recording.admit()
+        self._recording.admit_rollout(rollout_id)
         earlier = self._recent.entries(rollout_id) or ()
         req, layout = call_request.decode(
             proto, raw, [c.request for c in reversed(earlier) if c.request is not None]

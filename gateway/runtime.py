@@ -23,6 +23,7 @@ from gateway.continuation.planner import Continuer
 from gateway.continuation.rendering import RenderError
 from gateway.continuation.window import WindowedRenderer
 from gateway.finalize import merge_rollout
+from gateway.merge import MAX_CALLS
 from gateway.metrics import Metrics
 from gateway.notifications import Notifications
 from gateway.pipeline import Pipeline
@@ -30,6 +31,7 @@ from gateway.policy_version import PolicyVersion
 from gateway.recording import Recorder, Recording
 from gateway.rollout_memory import RolloutMemory
 from gateway.served_models import ServedModels
+from gateway.store import calls as calls_store
 from gateway.store import rollouts as rollouts_store
 from gateway.store import traces as traces_store
 from gateway.upstream import Upstreams
@@ -59,6 +61,7 @@ class Runtime:
             pool,
             max_pending=config.max_pending_records,
             command_timeout_s=config.db_command_timeout_s,
+            limits=calls_store.Limits(MAX_CALLS, int(config.rollout_max_stored_mb * (1 << 20))),
         )
         self.upstreams = Upstreams(
             config.upstreams,

@@ -122,6 +122,9 @@ FLAGS = [
      'model calls one rollout may start per second, with bursts of twice as many; past it '
      'that rollout\'s callers get 429 with Retry-After (env ROLLTAP_ROLLOUT_MAX_RPS; default '
      '20.0)'),
+    ('--rollout-max-stored-mb', 1024.0, 'MB', None,
+     'body bytes one rollout may store (compressed, as stored); past it its calls are '
+     'refused with 413 and not recorded (env ROLLTAP_ROLLOUT_MAX_STORED_MB; default 1024.0)'),
     ('--drain-timeout', 30.0, 'SECONDS', None,
      'on SIGTERM/SIGINT, seconds in-flight calls may still finish; then they are recorded '
      'aborted and ended with an error event (env ROLLTAP_DRAIN_TIMEOUT; default 30.0)'),
@@ -145,6 +148,7 @@ DEFAULTS = {
     "merge_options": MergeOptions(), "eject_after": 3, "probe_interval_s": 2.0,
     "replica_max_inflight": None, "ttft_timeout_s": 120.0, "stream_idle_timeout_s": 30.0,
     "max_inflight": 1024, "rollout_max_inflight": 32, "rollout_max_rps": 20.0,
+    "rollout_max_stored_mb": 1024.0,
     "drain_timeout_s": 30.0, "idle_timeout_s": 15.0,
     "body_timeout_s": 30.0, "db_pool_size": 10, "access_log": True, "tokenizer": None,
     "db_acquire_timeout_s": 5.0, "db_command_timeout_s": 10.0, "max_pending_records": 4096,
@@ -164,7 +168,7 @@ ENVIRONMENT = {
     "TRAIN_ABANDONED": "yes", "TRAIN_ABORTED": "1", "EJECT_AFTER": "5",
     "PROBE_INTERVAL": "0.5", "REPLICA_MAX_INFLIGHT": "7", "TTFT_TIMEOUT": "9",
     "STREAM_IDLE_TIMEOUT": "4", "MAX_INFLIGHT": "16", "ROLLOUT_MAX_INFLIGHT": "2",
-    "ROLLOUT_MAX_RPS": "0.5", "DRAIN_TIMEOUT": "0",
+    "ROLLOUT_MAX_RPS": "0.5", "ROLLOUT_MAX_STORED_MB": "2.5", "DRAIN_TIMEOUT": "0",
     "IDLE_TIMEOUT": "3", "BODY_TIMEOUT": "6", "DB_POOL_SIZE": "4",
 }
 FROM_ENVIRONMENT = {
@@ -178,7 +182,8 @@ FROM_ENVIRONMENT = {
                                   train_abandoned=True, train_aborted=True),
     "eject_after": 5, "probe_interval_s": 0.5, "replica_max_inflight": 7,
     "ttft_timeout_s": 9.0, "stream_idle_timeout_s": 4.0, "max_inflight": 16,
-    "rollout_max_inflight": 2, "rollout_max_rps": 0.5, "drain_timeout_s": 0.0,
+    "rollout_max_inflight": 2, "rollout_max_rps": 0.5, "rollout_max_stored_mb": 2.5,
+    "drain_timeout_s": 0.0,
     "idle_timeout_s": 3.0, "body_timeout_s": 6.0, "db_pool_size": 4,
     "db_acquire_timeout_s": 1.0, "db_command_timeout_s": 2.0, "max_pending_records": 8,
     "recent_calls_mib": 0,

@@ -5,7 +5,9 @@ Real gateway processes, real Postgres, the session's real vLLM."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
 import signal
 import socket
 import time
@@ -325,4 +327,38 @@ def test_slow_bodies_of_one_rollout_leave_the_gateway_slots_to_others(vllm_serve
     finally:
         for sock in held:
             sock.close()
+        gw.stop()
+
+
+def test_a_rollout_past_its_storage_quota_is_refused_in_its_protocol(vllm_server, database_url,
+                                                                     tmp_path):
+    """Issue #28, attack 11: one rollout could store without bound (four 8 MiB requests stored
+    27 MiB). Past --rollout-max-stored-mb its calls get 413 in their protocol, are not
+    recorded, and its next calls are refused before the engine works for them; another
+    rollout goes on."""
+    gw = GatewayProcess([vllm_server.url], database_url, "--rollout-max-stored-mb", "0.008",
+                        log_path=tmp_path / "gw.log").start()
+    try:
+        hog, other = gw.new_rollout(), gw.new_rollout()
+        ant = anthropic.Anthropic(base_url=hog["anthropic_base_url"], api_key=hog["api_key"],
+                                  max_retries=0, timeout=120)
+
+        def call(client):
+            noise = base64.b64encode(os.urandom(4500)).decode()  # about 6 kB, incompressible
+            return client.messages.create(model=vllm_server.model, max_tokens=2,
+                                          messages=[{"role": "user", "content": noise}])
+
+        call(ant)
+        for _ in range(2):
+            with pytest.raises(anthropic.APIStatusError) as info:
+                call(ant)
+            assert info.value.status_code == 413
+            assert info.value.body["error"]["type"] == "request_too_large"
+            assert "storage quota" in info.value.body["error"]["message"]
+        assert len(gw.calls(hog["rollout_id"])) == 1
+        client = openai.OpenAI(base_url=other["openai_base_url"], api_key=other["api_key"],
+                               max_retries=0, timeout=120)
+        assert client.chat.completions.create(model=vllm_server.model, max_tokens=2,
+                                              messages=[{"role": "user", "content": "hi"}])
+    finally:
         gw.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 
 import asyncpg
@@ -37,6 +38,7 @@ __all__ = ["Recorder", "Recording", "RETRY_AFTER_S"]
 RETRY_AFTER_S = 2
 
 _encode = msgspec.json.encode
+_OVER_LIMITS_KEPT = 10_000
 _DB_ERRORS = (Unavailable, asyncpg.PostgresError, *UNAVAILABLE)
 
 
@@ -55,6 +57,9 @@ class Recording:
         self._replies = memory.replies
         self._record_bodies = record_bodies
         self._on_recorded = on_recorded
+        # Rollouts the database refused a call of for their limits: their next calls are
+        # refused before the engine works for them (a limit is never lifted).
+        self._over_limits: OrderedDict[uuid.UUID, GatewayError] = OrderedDict()
 
     def admit(self) -> None:
         """Raises 503 (529 on the Anthropic API) if a new call could not be recorded soon."""
@@ -66,6 +71,12 @@ class Recording:
                 "overloaded_error",
                 retry_after=RETRY_AFTER_S,
             )
+
+    def admit_rollout(self, rollout_id: uuid.UUID) -> None:
+        """Raises the error of `rollout_id`'s last call refused for its limits, if there was one."""
+        refused = self._over_limits.get(rollout_id)
+        if refused is not None:
+            raise refused
 
     async def record(self, out: Outcome) -> calls_store.CallRecord:
         """Stores `out`; returns the row once it is committed. Raises a GatewayError the client
@@ -142,7 +153,12 @@ class Recording:
         try:
             await self.recorder.record(rec)
         except _DB_ERRORS as exc:
-            raise _failure(exc) from exc
+            failure = _failure(exc)
+            if failure.code == "rollout_limit":
+                self._over_limits[rollout_id] = failure
+                if len(self._over_limits) > _OVER_LIMITS_KEPT:
+                    self._over_limits.popitem(last=False)
+            raise failure from exc
         # Committed: from now on a later call may use it as its base or continue from it.
         if len(prompt):
             self._recent.add(
@@ -187,6 +203,16 @@ def _continues(base_id, prefix_len: int, candidates) -> bool:
 
 def _failure(exc: BaseException) -> GatewayError:
     """The client's error for a call that was not recorded."""
+    if getattr(exc, "sqlstate", None) == "RT413":
+        what = "storage quota (--rollout-max-stored-mb)" if "storage" in str(exc) else (
+            "limit of calls (the merge takes at most that many)")
+        return GatewayError(
+            413,
+            f"this rollout is past its {what}; the call was not recorded, and its next calls "
+            "will not be either: end the rollout",
+            "request_too_large",
+            code="rollout_limit",
+        )
     if getattr(exc, "sqlstate", None) == "RT409":
         return GatewayError(
             409,

@@ -262,6 +262,20 @@ MIGRATIONS: list[tuple[int, str]] = [
             ADD COLUMN excluded_tokens integer;
         """,
     ),
+    (
+        9,
+        """
+        -- Each rollout's stored body bytes, bumped with its call count in the call's INSERT,
+        -- which refuses a call past the rollout's limits (store/calls.py, SQLSTATE RT413).
+        ALTER TABLE rollouts ADD COLUMN stored_bytes bigint NOT NULL DEFAULT 0;
+        CREATE FUNCTION rolltap_refuse_over(rollout uuid, what text) RETURNS integer
+        LANGUAGE plpgsql AS $$
+        BEGIN
+            RAISE EXCEPTION 'rollout % is past its %', rollout, what USING ERRCODE = 'RT413';
+        END
+        $$;
+        """,
+    ),
 ]
 
 _LOCK_ID = 0x726F6C6C746170  # "rolltap"
