@@ -370,6 +370,9 @@ class Gateway:
             sys.executable, "-m", "gateway.cli", "gateway", "--upstream", upstream,
             "--port", str(self.port), "--database-url", dsn, "--admin-key", ADMIN_KEY,
             "--log-level", log_level,
+            # The bench drives each rollout far faster than an agent: its CPU is measured here,
+            # not the per-rollout limits, which would refuse most of its calls.
+            "--rollout-max-rps", "1000000", "--rollout-max-inflight", "100000",
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None
 

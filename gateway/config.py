@@ -168,7 +168,7 @@ class GatewayConfig:
         "model calls one rollout may have at once, counted from its request head (a body "
         "still being sent counts); past it that rollout's callers get 429 (OpenAI) or 529 "
         "(Anthropic) with Retry-After, and other rollouts are not affected", "N", type=int))
-    rollout_max_rps: float = field(default=20.0, metadata=_opt(
+    rollout_max_rps: float = field(default=50.0, metadata=_opt(
         "model calls one rollout may start per second, with bursts of twice as many; past it "
         "that rollout's callers get 429 with Retry-After", "RATE", type=float))
     rollout_max_stored_mb: float = field(default=1024.0, metadata=_opt(

@@ -118,10 +118,10 @@ FLAGS = [
      'being sent counts); past it that rollout\'s callers get 429 (OpenAI) or 529 '
      '(Anthropic) with Retry-After, and other rollouts are not affected (env '
      'ROLLTAP_ROLLOUT_MAX_INFLIGHT; default 32)'),
-    ('--rollout-max-rps', 20.0, 'RATE', None,
+    ('--rollout-max-rps', 50.0, 'RATE', None,
      'model calls one rollout may start per second, with bursts of twice as many; past it '
      'that rollout\'s callers get 429 with Retry-After (env ROLLTAP_ROLLOUT_MAX_RPS; default '
-     '20.0)'),
+     '50.0)'),
     ('--rollout-max-stored-mb', 1024.0, 'MB', None,
      'body bytes one rollout may store (compressed, as stored); past it its calls are '
      'refused with 413 and not recorded (env ROLLTAP_ROLLOUT_MAX_STORED_MB; default 1024.0)'),
@@ -147,7 +147,7 @@ DEFAULTS = {
     "default_max_tokens": None, "continuation": "exact", "local_template": None,
     "merge_options": MergeOptions(), "eject_after": 3, "probe_interval_s": 2.0,
     "replica_max_inflight": None, "ttft_timeout_s": 120.0, "stream_idle_timeout_s": 30.0,
-    "max_inflight": 1024, "rollout_max_inflight": 32, "rollout_max_rps": 20.0,
+    "max_inflight": 1024, "rollout_max_inflight": 32, "rollout_max_rps": 50.0,
     "rollout_max_stored_mb": 1024.0,
     "drain_timeout_s": 30.0, "idle_timeout_s": 15.0,
     "body_timeout_s": 30.0, "db_pool_size": 10, "access_log": True, "tokenizer": None,
