@@ -3,19 +3,18 @@ middleware that turns every failure into the caller's protocol's error shape."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-import asyncpg
 import msgspec
 from aiohttp import web
 
-from gateway import admin, admin_upstreams, traffic, viewer
+from gateway import admin, admin_upstreams, health, traffic, viewer
 from gateway.access_log import ROLLOUT_KEY
 from gateway.app_keys import (
     ADMISSION,
     CONFIG,
+    DATABASE_CHECK,
     METRICS,
     MODELS,
     PIPELINE,
@@ -42,7 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_HEALTH_DB_TIMEOUT_S = 0.8
 
 
 def _renderer(path: str):
@@ -185,29 +183,19 @@ async def root(request: web.Request) -> web.Response:
     return web.json_response({"name": "rolltap", "status": "ok"})
 
 
-async def _database_health(pool: asyncpg.Pool, recorder_down: str | None) -> str:
-    try:
-        # Bounded: a frozen database must make the answer "down", not no answer.
-        async with pool.acquire(timeout=_HEALTH_DB_TIMEOUT_S) as conn:
-            await conn.fetchval("SELECT 1", timeout=_HEALTH_DB_TIMEOUT_S)
-    except (asyncpg.PostgresError, *UNAVAILABLE) as exc:
-        return f"down: {str(exc) or type(exc).__name__}"
-    return "ok" if recorder_down is None else f"down: {recorder_down}"
-
-
 async def healthz(request: web.Request) -> web.Response:
     app = request.app
     recorder = app[RECORDER]
-    # Side by side: a slow replica must not delay the database's answer past the 2 s a
-    # probe may wait.
-    database, upstreams = await asyncio.gather(
-        _database_health(app[POOL], recorder.down), app[UPSTREAMS].health(timeout_s=1.5)
-    )
-    healthy = database == "ok" and any(v == "ok" for v in upstreams.values())
+    database = await app[DATABASE_CHECK].answer()
+    upstreams = app[UPSTREAMS].probed()
+    ok = health.healthy(database, upstreams)
+    if not health.admin_requested(request.headers, app[CONFIG].admin_key):
+        status, body = health.public_answer(ok)
+        return web.json_response(body, status=status)
     st = recorder.stats
     return web.json_response(
         {
-            "status": "ok" if healthy else "degraded",
+            "status": "ok" if ok else "degraded",
             "database": database,
             "upstreams": upstreams,
             # replica -> unix time since which it is paused (a weight push)
@@ -223,7 +211,7 @@ async def healthz(request: web.Request) -> web.Response:
                 "refused": st.refused,
             },
         },
-        status=200 if healthy else 503,
+        status=200 if ok else 503,
     )
 
 
@@ -260,5 +248,5 @@ def build_app(runtime: Runtime) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_routes(admin.routes)
     app.router.add_routes(admin_upstreams.routes)
-    app.router.add_routes(viewer.routes)
+    viewer.install(app)
     return app

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from gateway.admission import Admission
     from gateway.auth import RolloutKeys
     from gateway.config import GatewayConfig
+    from gateway.health import DatabaseCheck
     from gateway.metrics import Metrics
     from gateway.pipeline import Pipeline
     from gateway.policy_version import PolicyVersion
@@ -30,4 +31,5 @@ MODELS: web.AppKey[ServedModels] = web.AppKey("models")
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 RECORDER: web.AppKey[Recorder] = web.AppKey("recorder")
 ADMISSION: web.AppKey[Admission] = web.AppKey("admission")
+DATABASE_CHECK: web.AppKey[DatabaseCheck] = web.AppKey("database_check")
 PIPELINE: web.AppKey[Pipeline] = web.AppKey("pipeline")

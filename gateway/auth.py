@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections import OrderedDict
 from uuid import UUID
 
 import asyncpg
@@ -20,6 +21,10 @@ from gateway.protocols.errors import GatewayError
 from gateway.store import rollouts as rollouts_store
 
 KEY_PREFIX = "rt-"
+# Refused keys remembered, so one that is sent again costs no query (issue #28: a rollout's
+# agent could otherwise make the database answer for every made-up key it sends). Bounded: a
+# flood of distinct keys only pushes out older refusals, each of which still costs one query.
+REFUSALS_KEPT = 65_536
 
 
 def new_rollout_key() -> str:
@@ -78,6 +83,9 @@ class RolloutKeys:
         self._ends = 0  # ends heard of so far: a lookup that saw this change is suspect
         self._cache: dict[bytes, tuple[UUID, float]] = {}
         self._digests: dict[UUID, bytes] = {}  # the cache's keys by rollout, to forget one
+        # digest -> why it was refused; kept for good: keys are made here, never adopted, so
+        # an unknown key never becomes valid, and an ended or overdue rollout never runs again
+        self._refused: OrderedDict[bytes, str] = OrderedDict()
 
     def listening(self, yes: bool) -> None:
         """Whether ends of rollouts are heard of now. Either way the cache starts afresh: ends
@@ -105,30 +113,22 @@ class RolloutKeys:
         hit = self._cache.get(digest)
         if hit is not None and hit[1] > now:
             return hit[0]
+        refused = self._refused.get(digest)
+        if refused is not None:
+            self._refused.move_to_end(digest)
+            raise _refusal(refused)
         ends, listening = self._ends, self._listening
         async with self._pool.acquire() as conn:
             row = await rollouts_store.by_key_hash(conn, digest)
-        if row is None:
-            raise GatewayError(
-                401, "unknown API key", "authentication_error", code="invalid_api_key"
-            )
-        if row["status"] != "running":
+        why = _why_refused(row)
+        if why is not None:
             self._cache.pop(digest, None)
-            raise GatewayError(
-                401,
-                f"this rollout has ended ({row['status']}); its key no longer works",
-                "authentication_error",
-                code="invalid_api_key",
-            )
+            self._refused[digest] = why
+            if len(self._refused) > REFUSALS_KEPT:
+                self._refused.popitem(last=False)
+            raise _refusal(why)
+        assert row is not None
         left = row["left"]
-        if left is not None and left <= 0:
-            self._cache.pop(digest, None)
-            raise GatewayError(
-                401,
-                "this rollout is past its deadline; its key no longer works",
-                "authentication_error",
-                code="invalid_api_key",
-            )
         if len(self._cache) > 100_000:
             self._cache.clear()
             self._digests.clear()
@@ -145,3 +145,18 @@ class RolloutKeys:
         digest = self._digests.pop(rollout_id, None)
         if digest is not None:
             self._cache.pop(digest, None)
+
+
+def _why_refused(row) -> str | None:
+    """Why a key's rollout (None: no rollout has it) opens no model route, or None if it does."""
+    if row is None:
+        return "unknown API key"
+    if row["status"] != "running":
+        return f"this rollout has ended ({row['status']}); its key no longer works"
+    if row["left"] is not None and row["left"] <= 0:
+        return "this rollout is past its deadline; its key no longer works"
+    return None
+
+
+def _refusal(why: str) -> GatewayError:
+    return GatewayError(401, why, "authentication_error", code="invalid_api_key")

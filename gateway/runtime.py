@@ -23,6 +23,7 @@ from gateway.continuation.planner import Continuer
 from gateway.continuation.rendering import RenderError
 from gateway.continuation.window import WindowedRenderer
 from gateway.finalize import merge_rollout
+from gateway.health import DatabaseCheck, database_health
 from gateway.merge import MAX_CALLS
 from gateway.metrics import Metrics
 from gateway.notifications import Notifications
@@ -71,6 +72,8 @@ class Runtime:
             replica_max_inflight=config.replica_max_inflight,
         )
         self.keys = RolloutKeys(pool)
+        self.database_check = DatabaseCheck(
+            lambda: database_health(pool, lambda: self.recorder.down))
         self.memory = RolloutMemory(config.recent_calls_mib << 20)
         self.policy = PolicyVersion()
         self.models = ServedModels(self.upstreams)
@@ -114,6 +117,7 @@ class Runtime:
         app[app_keys.METRICS] = self.metrics
         app[app_keys.RECORDER] = self.recorder
         app[app_keys.ADMISSION] = self.admission
+        app[app_keys.DATABASE_CHECK] = self.database_check
         app[app_keys.PIPELINE] = self.pipeline
         app.cleanup_ctx.append(self._lifecycle)
 

@@ -99,6 +99,8 @@ class Upstreams:
         self._live_seeds = np.zeros(0, dtype=np.uint64)
         self.session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
+        # replica -> its last probe's result; `/healthz` reads it instead of probing
+        self.last_health: dict[str, str] = {}
         self.on_change: Callable[[Replica], None] | None = None  # metrics hook
         for url in urls:
             self.add(url)
@@ -237,10 +239,10 @@ class Upstreams:
 
     async def _probe_forever(self) -> None:
         while True:
-            await asyncio.sleep(self._probe_interval_s)
             health = await self.health()
             # Only replicas that answer: a frozen one would hold up the next round of probes.
             await self.watch_pauses([url for url, result in health.items() if result == "ok"])
+            await asyncio.sleep(self._probe_interval_s)
 
     def lease_pause(self, url: str, seconds: float) -> Replica | None:
         """A bridge holds `url` paused for `seconds` more (0: it resumed it, the lease ends)."""
@@ -275,10 +277,13 @@ class Upstreams:
 
         await asyncio.gather(*(one(r) for url in urls if (r := self.replicas.get(url))))
 
-    async def health(self, timeout_s: float | None = None) -> dict[str, str]:
-        """Probes every replica's /health, feeding the result into its health state; each
-        probe waits `timeout_s` at most (default: the probe timeout)."""
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self._probe_timeout_s)
+    def probed(self) -> dict[str, str]:
+        """Each replica's last probe result, as the prober left it (no probe here)."""
+        return {url: self.last_health.get(url, "not probed yet") for url in self.urls}
+
+    async def health(self) -> dict[str, str]:
+        """Probes every replica's /health, feeding the result into its health state."""
+        timeout = aiohttp.ClientTimeout(total=self._probe_timeout_s)
 
         async def one(url: str) -> str:
             try:
@@ -295,7 +300,8 @@ class Upstreams:
 
         urls = self.urls
         results = await asyncio.gather(*(one(u) for u in urls))
-        return dict(zip(urls, results))
+        self.last_health = dict(zip(urls, results))
+        return self.last_health
 
     # -- calls -------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import torch
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from tests.support.gateway import REPO
+from tests.support.gateway import ADMIN_KEY, REPO
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 
@@ -189,7 +189,7 @@ def test_gpu_check_trusts_torch_not_only_the_driver_listing(tmp_path):
 def test_bridge_names_replicas_a_gateway_routes_to_but_it_does_not_push_to(gateway, vllm_server):
     from trainer_bridge.weights import gateway_upstreams, unsynced_upstreams
 
-    upstreams = gateway_upstreams([gateway.url])
+    upstreams = gateway_upstreams([gateway.url], ADMIN_KEY)
     assert upstreams == {gateway.url: [vllm_server.url]}
     assert unsynced_upstreams(upstreams, [vllm_server.url + "/", "http://spare:8000"]) == []
     assert unsynced_upstreams(upstreams, ["http://other:8000"]) == [(gateway.url, vllm_server.url)]

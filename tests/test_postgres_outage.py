@@ -157,7 +157,7 @@ def _timeline(results, outages) -> str:
 
 def _health_during_outage(gw: GatewayProcess) -> tuple[float, httpx.Response]:
     started = time.monotonic()
-    r = httpx.get(gw.url + "/healthz", timeout=10)
+    r = gw.admin.get("/healthz", timeout=10)
     return time.monotonic() - started, r
 
 

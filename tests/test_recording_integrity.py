@@ -94,7 +94,7 @@ def headers(rollout: dict, **extra) -> dict:
 
 
 def _healthz(gw) -> dict:
-    return httpx.get(gw.url + "/healthz", timeout=5).json()
+    return gw.admin.get("/healthz", timeout=5).json()
 
 
 # -- durability order ---------------------------------------------------------------------------

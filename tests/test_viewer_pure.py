@@ -93,3 +93,4 @@ def test_message_rows_keep_text_tool_calls_and_ids():
                                   "function": {"name": "run", "arguments": '{"x": 1}'}}]
     tool = message_row({"role": "tool", "tool_call_id": "c1", "content": "ok"})
     assert (tool["tool_call_id"], tool["content"], tool["tool_calls"]) == ("c1", "ok", None)
+

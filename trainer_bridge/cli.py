@@ -232,7 +232,8 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     database_url = _database_url(config)
     announcer.use_database(database_url)
-    for gateway, upstream in unsynced_upstreams(gateway_upstreams(config.gateway), config.vllm):
+    for gateway, upstream in unsynced_upstreams(
+            gateway_upstreams(config.gateway, config.admin_key), config.vllm):
         print(f"warning: gateway {gateway} routes to {upstream}, which is not a --vllm of this "
               "bridge: unless it is one of them under another name, it keeps its weights while "
               "its tokens get the new versions", file=sys.stderr, flush=True)

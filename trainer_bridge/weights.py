@@ -106,10 +106,12 @@ class PolicyAnnouncer:
         return version
 
 
-def gateway_upstreams(gateways: Iterable[str], timeout: float = 30) -> dict[str, list[str]]:
-    """The vLLM replicas each gateway routes to, as its `/healthz` names them."""
-    with httpx.Client(timeout=timeout) as http:
-        return {g: list(http.get(f"{g.rstrip('/')}/healthz").json()["upstreams"])
+def gateway_upstreams(gateways: Iterable[str], admin_key: str,
+                      timeout: float = 30) -> dict[str, list[str]]:
+    """The vLLM replicas each gateway routes to, as its `GET /admin/upstreams` names them."""
+    with httpx.Client(timeout=timeout, headers={"Authorization": f"Bearer {admin_key}"}) as http:
+        return {g: [u["url"] for u in _ok(http.get(f"{g.rstrip('/')}/admin/upstreams"))
+                    .json()["upstreams"]]
                 for g in gateways}
 
 

@@ -1,6 +1,6 @@
 """The trace viewer at /ui: static HTML, CSS and JS from this package (no build step, nothing
 fetched from the network) over a few JSON routes that read the store. Admin key only."""
 
-from gateway.viewer.routes import routes
+from gateway.viewer.routes import install
 
-__all__ = ["routes"]
+__all__ = ["install"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import datetime as dt
 import hmac
 import importlib.resources
+import math
+import time
 import uuid
 
 import msgspec
@@ -17,6 +19,7 @@ from aiohttp import web
 
 from gateway.app_keys import CONFIG, POOL
 from gateway.protocols.errors import GatewayError
+from gateway.ratelimit import TokenBuckets
 from gateway.store import calls as calls_store
 from gateway.store import listing
 from gateway.store import rollouts as rollouts_store
@@ -38,6 +41,15 @@ _HEADERS = {
     "Cache-Control": "no-store",
 }
 MAX_PAGE = 200
+# Wrong keys at the login form, per client address: 5 at once, then one every 12 s. A key
+# chosen by the operator may be guessable; this makes guessing it slow. The admin key sent as
+# a header (scripts, the API) is not throttled: it needs no form.
+LOGIN_FAILURES = web.AppKey("login_failures", TokenBuckets)
+
+
+def install(app: web.Application) -> None:
+    app[LOGIN_FAILURES] = TokenBuckets(rate=1 / 12, burst=5)
+    app.router.add_routes(routes)
 
 
 def _file(name: str) -> bytes:
@@ -87,11 +99,20 @@ async def static(request: web.Request) -> web.Response:
 @routes.post("/ui/login")
 async def login(request: web.Request) -> web.Response:
     config = request.app[CONFIG]
+    failures = request.app[LOGIN_FAILURES]
+    client = request.remote
+    wait = failures.wait(client, time.monotonic())
+    if wait > 0:
+        resp = _page("login.html", 429, "Too many wrong keys from here: wait a minute, then "
+                     "try again.")
+        resp.headers["Retry-After"] = str(math.ceil(wait))
+        return resp
     form = await request.post()
     key = form.get("key")
     if not isinstance(key, str) or not hmac.compare_digest(
         key.encode(), config.admin_key.encode()
     ):
+        failures.spend(client, time.monotonic())
         return _page("login.html", 401, "That is not the admin key.")
     resp = web.HTTPSeeOther("/ui")
     resp.set_cookie(
