@@ -12,7 +12,7 @@ with the previous turn's prompt + sampled ids (what the merge needs to extend a 
 merged sequences per conversation, and `render_ms` (the time the gateway spent rendering for the
 splice: the added latency of a continued request). Then, in this process, engine against local
 rendering of one continuation on conversations of growing length, whole and in the window a
-gateway renders (gateway/render_window.py), and the cost of computing a request's continuation
+gateway renders (gateway/continuation/window.py), and the cost of computing a request's continuation
 keys.
 
     python -m bench.bench_continuation     # this section alone; `python -m bench` runs all
@@ -38,9 +38,11 @@ import numpy as np
 import openai
 
 from bench.bench_gateway import POSTGRES_URL, admin_sql, free_port
-from gateway.continuation import RequestKeys
-from gateway.render import CheckedRenderer, EngineRenderer, LocalTemplate
-from gateway.render_window import WindowedRenderer
+from gateway.continuation.checked_render import CheckedRenderer
+from gateway.continuation.engine_render import EngineRenderer
+from gateway.continuation.keys import RequestKeys
+from gateway.continuation.local_template import LocalTemplate
+from gateway.continuation.window import WindowedRenderer
 from gateway.upstream import Upstreams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,7 +174,7 @@ def _mode_numbers(results: list[tuple[list[dict], dict]]) -> dict:
 
 
 async def _render_costs(upstream: str, model_dir: Path) -> list[dict]:
-    """One continuation rendered whole and in a window (gateway/render_window.py), by the engine
+    """One continuation rendered whole and in a window (continuation/window.py), by the engine
     and locally, and the continuation keys, on conversations of growing length (a long system
     prompt, as harnesses send). The windows are timed once trusted, as a gateway uses them."""
     ups = Upstreams([upstream], 60)

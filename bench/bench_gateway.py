@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -154,6 +155,8 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     postgres: tuple[str, str] | None = None  # (server DSN, database): also time its backends
     context_tokens: int = 0  # > 0: the user turn carries about this many tokens of text
     max_tokens: int | None = None  # replaces the recorded request's
+    # (the gateway's /metrics, its admin key): read its CPU per stage over the measured phase
+    metrics: tuple[str, str] | None = None
 
 
 class LoadResult(msgspec.Struct, kw_only=True):
@@ -168,6 +171,7 @@ class LoadResult(msgspec.Struct, kw_only=True):
     chunks: list[int]
     cpu_s: dict[str, float]  # user + system, by role; `loadgen` is this process
     system_cpu_s: dict[str, float]
+    stage_cpu_us: dict[str, float] = {}  # the gateway's CPU per measured call, by stage
 
 
 def request_body(spec: LoadSpec) -> bytes:
@@ -256,6 +260,7 @@ async def loadgen(spec: LoadSpec) -> LoadResult:
             # After the warm-up: the gateway's pool has opened the connections it needs.
             pids["postgres"] = await _postgres_backends(*spec.postgres)
         left = [spec.requests]
+        stages0 = await stage_cpu(session, spec.metrics)
         cpu0, own0 = _cpu(pids), time.process_time()
         t_start = time.perf_counter()
         deadline = t_start + spec.seconds
@@ -269,9 +274,34 @@ async def loadgen(spec: LoadSpec) -> LoadResult:
         res.wall_s = time.perf_counter() - t_start
         own = time.process_time() - own0
         cpu1 = _cpu(pids)
+        stages1 = await stage_cpu(session, spec.metrics)
+    res.stage_cpu_us = stage_cpu_per_call(stages0, stages1)
     res.cpu_s = {"loadgen": own, **{k: sum(cpu1[k]) - sum(cpu0[k]) for k in cpu1}}
     res.system_cpu_s = {k: cpu1[k][1] - cpu0[k][1] for k in cpu1}
     return res
+
+
+def stage_cpu_per_call(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """µs per call in each stage between two `stage_cpu` readings; {} if none were measured."""
+    calls = after.get("calls", 0.0) - before.get("calls", 0.0)
+    if calls <= 0:
+        return {}
+    return {k: (v - before[k]) * 1e6 / calls for k, v in after.items() if k != "calls"}
+
+
+_STAGE_LINE = re.compile(
+    rb'^rolltap_stage_cpu_(?:seconds_total\{stage="(\w+)"\}|(calls)_total) ([0-9.e+-]+)$', re.M
+)
+
+
+async def stage_cpu(session, metrics: tuple[str, str] | None) -> dict[str, float]:
+    """The gateway's CPU per stage so far (s), and `calls`: the calls it measured."""
+    if metrics is None:
+        return {}
+    url, key = metrics
+    async with session.get(url, headers={"Authorization": f"Bearer {key}"}) as resp:
+        text = await resp.read()
+    return {(m[1] or m[2]).decode(): float(m[3]) for m in _STAGE_LINE.finditer(text)}
 
 
 def _loadgen_main(spec_path: str, result_path: str) -> int:
@@ -348,6 +378,9 @@ class Gateway:
             sys.executable, "-m", "gateway.cli", "gateway", "--upstream", upstream,
             "--port", str(self.port), "--database-url", dsn, "--admin-key", ADMIN_KEY,
             "--log-level", log_level,
+            # The bench drives each rollout far faster than an agent: its CPU is measured here,
+            # not the per-rollout limits, which would refuse most of its calls.
+            "--rollout-max-rps", "1000000", "--rollout-max-inflight", "100000",
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None
 
@@ -446,6 +479,7 @@ def summarize(scenario: Scenario, direct: LoadResult, via: LoadResult, stream_ev
         "gateway_cpu_us_per_request": cpu_us,
         "gateway_system_cpu_us_per_request": per_request(via.system_cpu_s["gateway"], via),
         "postgres_cpu_us_per_request": per_request(via.cpu_s.get("postgres", 0.0), via),
+        "gateway_stage_cpu_us": via.stage_cpu_us,
     }
     if scenario.stream:
         row["added_ttfc_ms"] = g["ttfc_p50_ms"] - d["ttfc_p50_ms"]
@@ -490,6 +524,12 @@ def table_rows(sc: Scenario, r: dict, stream_events: int) -> list[tuple[str, ...
         ("  of which in the kernel (µs)", "", _num(r["gateway_system_cpu_us_per_request"], 0),
          "", ""),
     ]  # fmt: skip
+    stages = r.get("gateway_stage_cpu_us") or {}
+    if stages:
+        # The pipeline's own measure (gateway/stage_cpu.py): its synchronous sections only, so
+        # the event loop, the HTTP server and the recorder's commits are outside these rows.
+        rows.append(("  in the call's stages (µs)", "", _num(sum(stages.values()), 0), "", ""))
+        rows += [(f"    {stage}", "", _num(us, 0), "", "") for stage, us in stages.items() if us]
     if sc.stream:
         chunk = r["gateway_cpu_us_per_chunk"]
         rows.append((f"gateway CPU per chunk (µs, /{stream_events})", "", _num(chunk, 1), "",
@@ -604,6 +644,7 @@ def _measure(dsn: str, datname: str, stream_events: int, print_fn) -> tuple[dict
                     keys=[r["api_key"] for r in rollouts],
                     pids={"gateway": [gateway.proc.pid], "standin": [upstream.pid]},
                     postgres=(POSTGRES_URL, datname),
+                    metrics=(gateway.url + "/metrics", ADMIN_KEY),
                 )
             )
             for side, r in (("direct", direct), ("gateway", via)):

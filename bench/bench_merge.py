@@ -18,7 +18,9 @@ import time
 
 import numpy as np
 
-from gateway.merge import CallTokens, best_base, merge
+from gateway.merge import merge
+from gateway.merge.prefixes import best_base
+from gateway.merge.values import CallTokens
 
 VOCAB = 150_000
 SYSTEM_TOKENS = 3_000

@@ -33,12 +33,12 @@ import numpy as np
 import zstandard
 
 from gateway import engine_ids
-from gateway.continuation import RequestKeys
-from gateway.merge import best_base
+from gateway.continuation.keys import RequestKeys
+from gateway.merge.prefixes import best_base
 from gateway.protocols import chat
 from gateway.protocols.normalize import normalize_messages
+from gateway.rollout_memory import RecentCalls
 from gateway.store import bodies
-from gateway.store.tokens import RecentCalls
 
 CALLS = 200
 CHARS_PER_TOKEN = 4

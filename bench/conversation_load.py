@@ -24,7 +24,15 @@ from pathlib import Path
 import msgspec
 
 from bench import standin
-from bench.bench_gateway import REPO, LoadResult, _cpu, _postgres_backends, context_request
+from bench.bench_gateway import (
+    REPO,
+    LoadResult,
+    _cpu,
+    _postgres_backends,
+    context_request,
+    stage_cpu,
+    stage_cpu_per_call,
+)
 
 TURN_CHARS = 256  # a new turn of about 64 tokens
 
@@ -37,6 +45,8 @@ class ConversationSpec(msgspec.Struct, frozen=True, kw_only=True):
     context_tokens: int  # the first call's context, about
     pids: dict[str, list[int]]  # processes whose CPU time is measured, by role
     postgres: tuple[str, str] | None = None  # (server DSN, database): also time its backends
+    # (the gateway's /metrics, its admin key): read its CPU per stage over each measured phase
+    metrics: tuple[str, str] | None = None
 
 
 class ConversationResult(msgspec.Struct):
@@ -101,6 +111,7 @@ async def conversations(spec: ConversationSpec) -> ConversationResult:
     async def phase(session, plan, pids) -> LoadResult:
         """Each harness's calls of `plan(h)`, in order; the harnesses side by side."""
         res = _empty()
+        stages0 = await stage_cpu(session, spec.metrics) if pids else {}
         cpu0 = _cpu(pids)
         t0 = time.perf_counter()
 
@@ -113,6 +124,8 @@ async def conversations(spec: ConversationSpec) -> ConversationResult:
         cpu1 = _cpu(pids)
         res.cpu_s = {k: sum(cpu1[k]) - sum(cpu0[k]) for k in cpu1}
         res.system_cpu_s = {k: cpu1[k][1] - cpu0[k][1] for k in cpu1}
+        if pids:  # not the warm-up
+            res.stage_cpu_us = stage_cpu_per_call(stages0, await stage_cpu(session, spec.metrics))
         return res
 
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)

@@ -37,6 +37,7 @@ import numpy as np
 
 from bench import conversation_load, request_parse, standin
 from bench.bench_gateway import (
+    ADMIN_KEY,
     POSTGRES_URL,
     TARGET_POSTGRES_CPU_US,
     Gateway,
@@ -101,6 +102,7 @@ def _numbers(r: LoadResult, rows: float, commits: int) -> dict:
         "postgres_us": _per_call(r.cpu_s.get("postgres", float("nan")), r),
         "chunks": _p(r.chunks, 50) if r.chunks else 0,
         "errors": r.errors,
+        **{f"stage {k}": v for k, v in r.stage_cpu_us.items()},
     }
 
 
@@ -163,6 +165,7 @@ def _rollout_load(
             context_tokens=ctx.tokens,
             pids=ctx.pids(pid),
             postgres=(POSTGRES_URL, datname) if side == "gateway" else None,
+            metrics=(gateway.url + "/metrics", ADMIN_KEY) if side == "gateway" else None,
         )
     )
     rows, commits = (a - b for a, b in zip(gateway.batch_rows(), batches0))
@@ -348,6 +351,31 @@ def format_table(measured: Measured) -> str:
 GOAL_GROWTH = 1.5  # a later call's CPU at the longest context over the shortest's
 
 
+def stage_table(measured: Measured) -> str:
+    """A later call's gateway CPU split by the pipeline's stages (gateway/stage_cpu.py), beside
+    the whole process's CPU per call: what the stages do not hold is the event loop, the HTTP
+    server, the access log and the recorder's commits."""
+    lines = []
+    for tokens, sides in measured.results.items():
+        for load in ("json c=1 later", "json c=64 later"):
+            numbers = sides["gateway"][load]
+            stages = {k.removeprefix("stage "): v for k, v in numbers.items()
+                      if k.startswith("stage ")}  # fmt: skip
+            if not stages:
+                return ""  # a gateway without the stage clock (before issue #29)
+            if not lines:
+                head = f"{'context':<9}{'load':<10}" + "".join(f"{s:>9}" for s in stages)
+                lines += [head + f"{'stages':>9}{'process':>9}", "-" * (len(head) + 18)]
+            cells = "".join(f"{_num(v, 0):>9}" for v in stages.values())
+            lines.append(f"{tokens:<9}{load.split()[1]:<10}{cells}"
+                         f"{_num(sum(stages.values()), 0):>9}{_num(numbers['cpu_us'], 0):>9}")
+    lines.append(
+        "a later call's gateway CPU by stage, µs (medians of the rounds): only the stages'\n"
+        "synchronous sections are counted; `process` is the gateway's whole CPU per call"
+    )
+    return "\n".join(lines)
+
+
 def growth(rounds: dict) -> dict[str, list[float]]:
     """{load: each round's later-call gateway CPU at the longest context over the shortest's}."""
     def cpu(measured: dict, load: str) -> float:
@@ -462,6 +490,9 @@ def run(dsn: str, datname: str, print_fn) -> dict:
     print_fn(request_parse.table())
     measured = measure(dsn, datname, print_fn)
     print_fn(format_table(measured))
+    stages = stage_table(measured)
+    if stages:
+        print_fn(stages)
     print_fn(f"(contexts table: {time.monotonic() - started:.0f} s)")
     return {
         "rows": {

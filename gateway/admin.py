@@ -8,16 +8,18 @@ import math
 import uuid
 from typing import Annotated
 
+import asyncpg
 import msgspec
 from aiohttp import web
 
-from gateway.auth import check_admin, hash_key, new_rollout_key
-from gateway.continuation import counts as continuation_counts
+from gateway.admin_http import admin_app, decode_body, json_response
+from gateway.app_keys import CONFIG, MEMORY, POLICY, POOL, ROLLOUT_KEYS
+from gateway.auth import hash_key, new_rollout_key
+from gateway.call_request import sampling_policy
+from gateway.continuation.splice import counts as continuation_counts
 from gateway.finalize import merge_rollout
-from gateway.merge import SideCalls
+from gateway.merge.values import SideCalls
 from gateway.protocols.errors import GatewayError
-from gateway.relay import sampling_policy
-from gateway.services import Services
 from gateway.store import calls as calls_store
 from gateway.store import rollouts as rollouts_store
 from gateway.store import traces as traces_store
@@ -37,7 +39,7 @@ class NewRollout(msgspec.Struct, forbid_unknown_fields=True):
     group_id: str | None = None
     metadata: dict = {}
     timeout_s: _Timeout | None = None
-    # Which toolless calls are a harness's side calls, not trained (gateway/merge.py).
+    # Which toolless calls are a harness's side calls, not trained (gateway/merge/).
     side_calls: SideCalls = "auto"
 
 
@@ -59,21 +61,6 @@ def _storable(**fields) -> None:
             raise GatewayError(400, f"invalid request: {bad}", param=name)
 
 
-def _decode(raw: bytes, kind: type):
-    try:
-        return msgspec.json.decode(raw or b"{}", type=kind)
-    except msgspec.ValidationError as exc:
-        raise GatewayError(400, f"invalid request: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise GatewayError(400, f"request body is not valid JSON: {exc}") from None
-
-
-def _services(request: web.Request) -> Services:
-    svc: Services = request.app["services"]
-    check_admin(request.headers, svc.config.admin_key)
-    return svc
-
-
 def _rollout_id(request: web.Request) -> uuid.UUID:
     try:
         return uuid.UUID(request.match_info["rollout_id"])
@@ -81,20 +68,14 @@ def _rollout_id(request: web.Request) -> uuid.UUID:
         raise GatewayError(404, "no such rollout", "not_found_error") from None
 
 
-def _json(obj, status: int = 200) -> web.Response:
-    return web.Response(
-        body=msgspec.json.encode(obj), status=status, content_type="application/json"
-    )
-
-
 @routes.post("/admin/rollouts")
 async def create_rollout(request: web.Request) -> web.Response:
-    svc = _services(request)
-    spec = _decode(await request.read(), NewRollout)
+    app = admin_app(request)
+    spec = decode_body(await request.read(), NewRollout)
     _storable(task_id=spec.task_id, group_id=spec.group_id, metadata=spec.metadata)
     rollout_id = uuid.uuid4()
     key = new_rollout_key()
-    async with svc.pool.acquire() as conn:
+    async with app[POOL].acquire() as conn:
         await rollouts_store.create(
             conn,
             rollout_id,
@@ -102,11 +83,11 @@ async def create_rollout(request: web.Request) -> web.Response:
             spec.task_id,
             spec.group_id,
             spec.metadata,
-            spec.timeout_s if spec.timeout_s is not None else svc.config.rollout_timeout_s,
+            spec.timeout_s if spec.timeout_s is not None else app[CONFIG].rollout_timeout_s,
             spec.side_calls,
         )
-    base = svc.config.public_url
-    return _json(
+    base = app[CONFIG].public_url
+    return json_response(
         {
             "rollout_id": str(rollout_id),
             "api_key": key,
@@ -117,8 +98,8 @@ async def create_rollout(request: web.Request) -> web.Response:
     )
 
 
-async def _summary(svc: Services, rollout_id: uuid.UUID) -> dict:
-    async with svc.pool.acquire() as conn:
+async def _summary(pool: asyncpg.Pool, rollout_id: uuid.UUID) -> dict:
+    async with pool.acquire() as conn:
         row = await rollouts_store.get(conn, rollout_id)
         if row is None:
             raise GatewayError(404, f"no rollout {rollout_id}", "not_found_error")
@@ -150,9 +131,9 @@ async def _summary(svc: Services, rollout_id: uuid.UUID) -> dict:
 
 @routes.post("/admin/rollouts/{rollout_id}/finish")
 async def finish_rollout(request: web.Request) -> web.Response:
-    svc = _services(request)
+    app = admin_app(request)
     rollout_id = _rollout_id(request)
-    spec = _decode(await request.read(), Finish)
+    spec = decode_body(await request.read(), Finish)
     if spec.status not in ("finished", "failed", "timeout"):
         raise GatewayError(400, "status must be finished, failed or timeout", param="status")
     if spec.reward is not None and not math.isfinite(spec.reward):
@@ -165,15 +146,15 @@ async def finish_rollout(request: web.Request) -> web.Response:
         if removed:
             metrics["rolltap_removed_nul_characters"] = removed
         _storable(metrics=metrics)
-    async with svc.pool.acquire() as conn:
+    async with app[POOL].acquire() as conn:
         ended = await rollouts_store.finish(conn, rollout_id, spec.status, spec.reward, metrics)
         # A retried finish (the first one's merge failed or its gateway died) merges too.
         row = await rollouts_store.get(conn, rollout_id)
-    svc.keys.forget(rollout_id)
-    svc.recent.forget(rollout_id)
+    app[ROLLOUT_KEYS].forget(rollout_id)
+    app[MEMORY].forget(rollout_id)
     if row is not None and row["status"] != "running" and (ended or row["merged_at"] is None):
-        await merge_rollout(svc.pool, rollout_id, svc.config.merge_options)
-    summary = await _summary(svc, rollout_id)
+        await merge_rollout(app[POOL], rollout_id, app[CONFIG].merge_options)
+    summary = await _summary(app[POOL], rollout_id)
     if not ended and (summary["status"], summary["reward"]) != (spec.status, spec.reward):
         raise GatewayError(
             409,
@@ -181,44 +162,44 @@ async def finish_rollout(request: web.Request) -> web.Response:
             f"{summary['reward']}; it cannot be finished again differently",
             code="rollout_ended",
         )
-    return _json(summary)
+    return json_response(summary)
 
 
 @routes.get("/admin/rollouts/{rollout_id}")
 async def get_rollout(request: web.Request) -> web.Response:
-    svc = _services(request)
-    return _json(await _summary(svc, _rollout_id(request)))
+    app = admin_app(request)
+    return json_response(await _summary(app[POOL], _rollout_id(request)))
 
 
 @routes.get("/admin/rollouts/{rollout_id}/calls")
 async def get_calls(request: web.Request) -> web.Response:
-    svc = _services(request)
+    app = admin_app(request)
     rollout_id = _rollout_id(request)
     with_bodies = request.query.get("bodies", "1") not in ("0", "false")
-    async with svc.pool.acquire() as conn:
+    async with app[POOL].acquire() as conn:
         if await rollouts_store.get(conn, rollout_id) is None:
             raise GatewayError(404, f"no rollout {rollout_id}", "not_found_error")
         calls = await calls_store.rollout_calls(
             conn, rollout_id, with_tokens=True, with_bodies=with_bodies
         )
-    return _json({"rollout_id": str(rollout_id), "calls": calls})
+    return json_response({"rollout_id": str(rollout_id), "calls": calls})
 
 
 @routes.post("/admin/policy")
 async def set_policy(request: web.Request) -> web.Response:
-    svc = _services(request)
-    spec = _decode(await request.read(), Policy)
-    async with svc.pool.acquire() as conn:
+    app = admin_app(request)
+    spec = decode_body(await request.read(), Policy)
+    async with app[POOL].acquire() as conn:
         await rollouts_store.set_policy_version(conn, spec.version)
-    svc.policy_version = spec.version
-    return _json({"version": spec.version})
+    app[POLICY].value = spec.version
+    return json_response({"version": spec.version})
 
 
 @routes.get("/admin/policy")
 async def get_policy(request: web.Request) -> web.Response:
-    svc = _services(request)
-    return _json(
-        {"version": svc.policy_version, "sampling": sampling_policy(svc.config.temperature)}
+    app = admin_app(request)
+    return json_response(
+        {"version": app[POLICY].value, "sampling": sampling_policy(app[CONFIG].temperature)}
     )
 
 
@@ -227,20 +208,20 @@ async def get_backlog(request: web.Request) -> web.Response:
     """How far a runner's run is ahead of training, so it can wait for the trainer instead of
     producing samples that will be stale when they are trained (`rolltap rollouts
     --max-backlog`)."""
-    svc = _services(request)
+    app = admin_app(request)
     run_id = request.query.get("run_id", "")
     if not run_id or "\x00" in run_id:
         raise GatewayError(400, "give the run: GET /admin/backlog?run_id=RUN", param="run_id")
-    async with svc.pool.acquire() as conn:
+    async with app[POOL].acquire() as conn:
         running, waiting = await rollouts_store.backlog(conn, run_id)
-    return _json({"run_id": run_id, "running": running, "waiting": waiting})
+    return json_response({"run_id": run_id, "running": running, "waiting": waiting})
 
 
 @routes.get("/admin/rollouts/{rollout_id}/traces")
 async def get_traces(request: web.Request) -> web.Response:
-    svc = _services(request)
+    app = admin_app(request)
     rollout_id = _rollout_id(request)
-    async with svc.pool.acquire() as conn:
+    async with app[POOL].acquire() as conn:
         row = await rollouts_store.get(conn, rollout_id)
         if row is None:
             raise GatewayError(404, f"no rollout {rollout_id}", "not_found_error")
@@ -252,7 +233,7 @@ async def get_traces(request: web.Request) -> web.Response:
                 code="not_merged",
             )
         traces = await traces_store.fetch(conn, rollout_id)
-    return _json(
+    return json_response(
         {
             "rollout_id": str(rollout_id),
             "sequences": [t.to_dict() for t in traces],
@@ -265,7 +246,9 @@ async def get_traces(request: web.Request) -> web.Response:
 @routes.get("/admin/metrics")
 async def get_metrics(request: web.Request) -> web.Response:
     """Merge statistics per harness, for dashboards: how often each harness drifts."""
-    svc = _services(request)
-    async with svc.pool.acquire() as conn:
+    app = admin_app(request)
+    async with app[POOL].acquire() as conn:
         rows = await traces_store.harness_metrics(conn)
-    return _json({"harnesses": [dict(r) for r in rows], "policy_version": svc.policy_version})
+    return json_response(
+        {"harnesses": [dict(r) for r in rows], "policy_version": app[POLICY].value}
+    )

@@ -15,7 +15,8 @@ from urllib.parse import urlsplit
 import msgspec
 from aiohttp import web
 
-from gateway.admin import _decode, _json, _services
+from gateway.admin_http import admin_app, decode_body, json_response
+from gateway.app_keys import UPSTREAMS
 from gateway.protocols.errors import GatewayError
 
 routes = web.RouteTableDef()
@@ -41,54 +42,55 @@ def _checked_url(url: str) -> str:
     return url.rstrip("/")
 
 
-def _listing(svc) -> web.Response:
-    return _json({"upstreams": [r.describe() for r in svc.upstreams.replicas.values()]})
+def _listing(app: web.Application) -> web.Response:
+    replicas = app[UPSTREAMS].replicas.values()
+    return json_response({"upstreams": [r.describe() for r in replicas]})
 
 
 @routes.get("/admin/upstreams")
 async def list_upstreams(request: web.Request) -> web.Response:
-    return _listing(_services(request))
+    return _listing(admin_app(request))
 
 
 @routes.get("/admin/models")
 async def list_models(request: web.Request) -> web.Response:
-    svc = _services(request)
-    return _json({"models": sorted(await svc.upstreams.served_models()),
-                  "upstreams": list(svc.upstreams.urls)})
+    app = admin_app(request)
+    return json_response({"models": sorted(await app[UPSTREAMS].served_models()),
+                  "upstreams": list(app[UPSTREAMS].urls)})
 
 
 @routes.post("/admin/upstreams")
 async def change_upstream(request: web.Request) -> web.Response:
-    svc = _services(request)
-    spec = _decode(await request.read(), UpstreamChange)
+    app = admin_app(request)
+    spec = decode_body(await request.read(), UpstreamChange)
     url = _checked_url(spec.url)
     if spec.draining:
-        if svc.upstreams.drain(url) is None:
+        if app[UPSTREAMS].drain(url) is None:
             raise GatewayError(404, f"no upstream {url}", "not_found_error", param="url")
     else:
-        svc.upstreams.add(url)
-    return _listing(svc)
+        app[UPSTREAMS].add(url)
+    return _listing(app)
 
 
 @routes.delete("/admin/upstreams")
 async def remove_upstream(request: web.Request) -> web.Response:
-    svc = _services(request)
+    app = admin_app(request)
     url = request.query.get("url", "").rstrip("/")
     if not url:
         raise GatewayError(400, "name the replica: DELETE /admin/upstreams?url=URL", param="url")
-    if svc.upstreams.remove(url) is None:
+    if app[UPSTREAMS].remove(url) is None:
         raise GatewayError(404, f"no upstream {url}", "not_found_error", param="url")
-    return _listing(svc)
+    return _listing(app)
 
 
 @routes.post("/admin/upstreams/pause-lease")
 async def lease_pause(request: web.Request) -> web.Response:
-    svc = _services(request)
-    spec = _decode(await request.read(), PauseLease)
+    app = admin_app(request)
+    spec = decode_body(await request.read(), PauseLease)
     if not 0 <= spec.seconds <= 3600:
         raise GatewayError(400, "seconds must be between 0 (the lease ends) and 3600: renew a "
                            "lease while the push lasts rather than taking a long one",
                            param="seconds")
-    if svc.upstreams.lease_pause(_checked_url(spec.url), spec.seconds) is None:
+    if app[UPSTREAMS].lease_pause(_checked_url(spec.url), spec.seconds) is None:
         raise GatewayError(404, f"no upstream {spec.url}", "not_found_error", param="url")
-    return _listing(svc)
+    return _listing(app)

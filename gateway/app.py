@@ -3,32 +3,44 @@ middleware that turns every failure into the caller's protocol's error shape."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from typing import TYPE_CHECKING
 
-import asyncpg
 import msgspec
 from aiohttp import web
 
 from gateway import admin, admin_upstreams, health, traffic, viewer
 from gateway.access_log import ROLLOUT_KEY
+from gateway.app_keys import (
+    ADMISSION,
+    CONFIG,
+    DATABASE_CHECK,
+    METRICS,
+    MODELS,
+    PIPELINE,
+    POLICY,
+    POOL,
+    RECORDER,
+    ROLLOUT_KEYS,
+    UPSTREAMS,
+)
 from gateway.auth import check_admin
-from gateway.config import GatewayConfig
-from gateway.finalize import merge_rollout
+from gateway.engine_exchange import upstream_error
 from gateway.metrics import CONTENT_TYPE_LATEST
+from gateway.pipeline import STREAM_STARTED
 from gateway.protocols import anthropic, chat, completions, responses
 from gateway.protocols.adapter import Adapter
 from gateway.protocols.errors import GatewayError
 from gateway.recording import RETRY_AFTER_S
-from gateway.relay import STREAM_STARTED, relay, upstream_error
-from gateway.services import Services
 from gateway.store import rollouts as rollouts_store
 from gateway.store import traces as traces_store
 from gateway.store.db import UNAVAILABLE
 
+if TYPE_CHECKING:
+    from gateway.runtime import Runtime
+
 log = logging.getLogger(__name__)
 
-_SWEEP_INTERVAL_S = 5.0
 
 
 def _renderer(path: str):
@@ -60,7 +72,7 @@ async def protocol_errors(request: web.Request, handler):
             GatewayError(400, "request body is nested too deeply")
         )
     except web.HTTPRequestEntityTooLarge:
-        limit = request.app["services"].config.max_body_bytes
+        limit = request.app[CONFIG].max_body_bytes
         status, body = _renderer(request.path)(
             GatewayError(
                 413,
@@ -91,7 +103,7 @@ async def protocol_errors(request: web.Request, handler):
 @web.middleware
 async def started_streams(request: web.Request, handler):
     """An error after a stream's headers went out cannot become an HTTP error response (it
-    would be written into the chunked body). The relay ends its streams with the protocol's
+    would be written into the chunked body). The pipeline ends its streams with the protocol's
     error event itself; whatever still escapes ends the body cleanly here."""
     try:
         return await handler(request)
@@ -105,34 +117,40 @@ async def started_streams(request: web.Request, handler):
 
 def _model_route(proto: Adapter):
     async def handler(request: web.Request) -> web.StreamResponse:
-        svc: Services = request.app["services"]
-        traffic.refuse_if_busy(request, svc.model_requests, svc.config.max_inflight,
-                               svc.closing)
-        svc.model_requests += 1
-        try:
-            rollout_id = await svc.keys.rollout_for(request.headers)
-            request[ROLLOUT_KEY] = rollout_id
-            raw = await traffic.read_body(request, svc.config.body_timeout_s)
-            return await relay(request, proto, raw, rollout_id)
-        finally:
-            svc.model_requests -= 1
+        app = request.app
+        admission = app[ADMISSION]
+        rollout_id = await app[ROLLOUT_KEYS].rollout_for(request.headers)
+        request[ROLLOUT_KEY] = rollout_id
+        with admission.rollout_share(request, rollout_id):
+            raw = await traffic.read_body(request, app[CONFIG].body_timeout_s)
+            with admission.gateway_slot(request):
+                return await app[PIPELINE].serve(request, proto, raw, rollout_id)
 
     return handler
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    """Anthropic's token counter, answered by the engine's own tokenizer and chat template."""
-    svc: Services = request.app["services"]
-    rollout_id = await svc.keys.rollout_for(request.headers)
-    req = anthropic.parse_count_tokens(
-        await traffic.read_body(request, svc.config.body_timeout_s)
-    )
+    """Anthropic's token counter, answered by the engine's own tokenizer and chat template,
+    under the same shares and limit as the model calls (it costs the engine a render)."""
+    app = request.app
+    admission = app[ADMISSION]
+    rollout_id = await app[ROLLOUT_KEYS].rollout_for(request.headers)
+    request[ROLLOUT_KEY] = rollout_id
+    with admission.rollout_share(request, rollout_id):
+        raw = await traffic.read_body(request, app[CONFIG].body_timeout_s)
+        with admission.gateway_slot(request):
+            return await _count_tokens(app, raw, rollout_id)
+
+
+async def _count_tokens(app: web.Application, raw: bytes, rollout_id) -> web.Response:
+    upstreams = app[UPSTREAMS]
+    req = anthropic.parse_count_tokens(raw)
     body = anthropic.count_tokens_request(req)
     model = req.body.model
-    await svc.check_model(model)
+    await app[MODELS].check(model)
     body["model"] = model
-    upstream, _ = svc.upstreams.route(rollout_id, svc.upstreams.placed(rollout_id))
-    resp = await svc.upstreams.post(upstream, "/tokenize", msgspec.json.encode(body))
+    upstream, _ = upstreams.route(rollout_id, upstreams.placed(rollout_id))
+    resp = await upstreams.post(upstream, "/tokenize", msgspec.json.encode(body))
     async with resp:
         raw = await resp.read()
         if resp.status != 200:
@@ -144,9 +162,8 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    svc: Services = request.app["services"]
-    await svc.keys.rollout_for(request.headers)
-    models = sorted(await svc.upstreams.served_models())
+    await request.app[ROLLOUT_KEYS].rollout_for(request.headers)
+    models = sorted(await request.app[UPSTREAMS].served_models())
     return web.Response(
         body=msgspec.json.encode(
             {
@@ -167,28 +184,29 @@ async def root(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    svc: Services = request.app["services"]
-    database = await svc.database_check.answer()
-    upstreams = svc.upstreams.probed()
+    app = request.app
+    recorder = app[RECORDER]
+    database = await app[DATABASE_CHECK].answer()
+    upstreams = app[UPSTREAMS].probed()
     ok = health.healthy(database, upstreams)
-    if not health.admin_requested(request.headers, svc.config.admin_key):
+    if not health.admin_requested(request.headers, app[CONFIG].admin_key):
         status, body = health.public_answer(ok)
         return web.json_response(body, status=status)
-    st = svc.recorder.stats
+    st = recorder.stats
     return web.json_response(
         {
             "status": "ok" if ok else "degraded",
             "database": database,
             "upstreams": upstreams,
             # replica -> unix time since which it is paused (a weight push)
-            "paused": {r.url: r.paused_since for r in svc.upstreams.replicas.values()
+            "paused": {r.url: r.paused_since for r in app[UPSTREAMS].replicas.values()
                        if r.paused_since is not None},
-            "policy_version": svc.policy_version,
+            "policy_version": app[POLICY].value,
             "recorder": {
                 "commits": st.commits,
                 "records": st.records,
                 "largest_batch": st.largest_batch,
-                "pending": svc.recorder.pending,
+                "pending": recorder.pending,
                 "row_retries": st.row_retries,
                 "refused": st.refused,
             },
@@ -199,11 +217,10 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus exposition; the admin key guards it like the rest of the operator's view."""
-    svc: Services = request.app["services"]
-    check_admin(request.headers, svc.config.admin_key)
-    m = svc.metrics
+    check_admin(request.headers, request.app[CONFIG].admin_key)
+    m = request.app[METRICS]
     if m.due_for_database():
-        async with svc.pool.acquire() as conn:
+        async with request.app[POOL].acquire() as conn:
             m.database_values(
                 await rollouts_store.count_by_status(conn),
                 await traces_store.harness_metrics(conn),
@@ -212,43 +229,14 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=m.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def _end_overdue(svc: Services) -> None:
-    """Rollouts past their deadline end as `timeout` and are merged; ended rollouts left
-    unmerged by a gateway that died are merged too. Safe with several gateways: the UPDATE picks
-    each rollout once, and merging is idempotent."""
-    while True:
-        await asyncio.sleep(_SWEEP_INTERVAL_S)
-        try:
-            async with svc.pool.acquire() as conn:
-                for rollout_id in await rollouts_store.expire_overdue(conn):
-                    svc.keys.forget(rollout_id)
-                    svc.recent.forget(rollout_id)
-                pending = await traces_store.unmerged(conn)
-            for rollout_id in pending:
-                # A rollout that cannot be merged is marked so by merge_rollout; nothing one
-                # rollout holds may stop the sweep of the others.
-                await merge_rollout(svc.pool, rollout_id, svc.config.merge_options)
-        except Exception:  # noqa: BLE001 - the sweeper must outlive any single failure
-            log.exception("deadline sweep failed; retrying")
-
-
-def build_app(config: GatewayConfig, pool: asyncpg.Pool) -> web.Application:
+def build_app(runtime: Runtime) -> web.Application:
+    config = runtime.config
     app = web.Application(
         middlewares=[traffic.observe, protocol_errors, started_streams],
         client_max_size=config.max_body_bytes,
     )
     app.on_response_prepare.append(traffic.stamp_headers)
-    svc = Services(config, pool)
-    app["services"] = svc
-
-    async def lifecycle(app: web.Application):
-        await svc.start()
-        sweeper = asyncio.create_task(_end_overdue(svc))
-        yield
-        sweeper.cancel()
-        await svc.close()
-
-    app.cleanup_ctx.append(lifecycle)
+    runtime.install(app)
     app.router.add_post("/v1/chat/completions", _model_route(chat.ADAPTER))
     app.router.add_post("/v1/completions", _model_route(completions.ADAPTER))
     app.router.add_post("/v1/responses", _model_route(responses.ADAPTER))

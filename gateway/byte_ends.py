@@ -22,3 +22,11 @@ def shared(a: bytes, b: bytes, limit: int, at_end: bool = False, known: int = 0)
         else:
             hi = mid - 1
     return lo
+
+
+def shared_ends(a: bytes, b: bytes, known: int = 0) -> tuple[int, int]:
+    """(shared prefix, shared suffix) lengths; the suffix never overlaps the prefix. `known`: a
+    prefix length they are known to share."""
+    shortest = min(len(a), len(b))
+    pre = shared(a, b, shortest, known=known)
+    return pre, shared(a, b, shortest - pre, at_end=True)

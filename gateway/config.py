@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway import knobs
 from gateway.knobs import knob
-from gateway.merge import MergeOptions
+from gateway.merge.values import MergeOptions
 
 
 def default_data_dir() -> Path:
@@ -137,7 +137,7 @@ class GatewayConfig:
     max_pending_records: int = field(default=4096, metadata=_opt(
         "call records that may wait for their commit; beyond that new calls are turned away "
         "with 503/529 and Retry-After", "N", type=int))
-    # See store/tokens.RecentCalls; past it the least recently used rollouts are read back from
+    # See rollout_memory.RecentCalls; past it the least recently used rollouts are read back from
     # the database when they call again.
     recent_calls_mib: int = field(default=512, metadata=_opt(
         "memory for running rollouts' latest calls (ids, bodies, continuation keys); past it "
@@ -164,6 +164,16 @@ class GatewayConfig:
     max_inflight: int = field(default=1024, metadata=_opt(
         "model calls served at once; past it callers get 429 (OpenAI) or 529 (Anthropic) with "
         "Retry-After", "N", type=int))
+    rollout_max_inflight: int = field(default=32, metadata=_opt(
+        "model calls one rollout may have at once, counted from its request head (a body "
+        "still being sent counts); past it that rollout's callers get 429 (OpenAI) or 529 "
+        "(Anthropic) with Retry-After, and other rollouts are not affected", "N", type=int))
+    rollout_max_rps: float = field(default=50.0, metadata=_opt(
+        "model calls one rollout may start per second, with bursts of twice as many; past it "
+        "that rollout's callers get 429 with Retry-After", "RATE", type=float))
+    rollout_max_stored_mb: float = field(default=1024.0, metadata=_opt(
+        "body bytes one rollout may store (compressed, as stored); past it its calls are "
+        "refused with 413 and not recorded", "MB", type=float))
     drain_timeout_s: float = field(default=30.0, metadata=_opt(
         "on SIGTERM/SIGINT, seconds in-flight calls may still finish; then they are recorded "
         "aborted and ended with an error event", "SECONDS", type=float))
@@ -185,9 +195,13 @@ class GatewayConfig:
         )
 
     def __post_init__(self) -> None:
-        for name in ("eject_after", "max_inflight"):
+        for name in ("eject_after", "max_inflight", "rollout_max_inflight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag_of(name)} must be at least 1")
+        if not self.rollout_max_stored_mb > 0:
+            raise ValueError("--rollout-max-stored-mb must be a positive number of megabytes")
+        if not self.rollout_max_rps > 0:
+            raise ValueError("--rollout-max-rps must be a positive number of calls a second")
         for name in ("probe_interval_s", "ttft_timeout_s", "stream_idle_timeout_s",
                      "idle_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:

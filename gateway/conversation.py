@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gateway import response_chain
 from gateway.protocols import anthropic, chat, completions, responses
 from gateway.protocols.adapter import CHAT_PATH, Adapter
 from gateway.protocols.normalize import normalize_messages
@@ -33,20 +34,12 @@ def chat_view(
     if proto is None or proto.upstream_path != CHAT_PATH:
         return None
     req = proto.parse_request(request_raw)
-    history = _chain(proto.previous_id(req), stored_state) if proto.stateful else None
+    history = (
+        response_chain.items(proto.previous_id(req), stored_state) if proto.stateful else None
+    )
     body, _ = proto.to_upstream(req, history)
     messages = normalize_messages(body.get("messages") or [])
     if reply is not None:
         messages = [*messages, reply]
     return messages, body.get("tools") or []
 
-
-def _chain(response_id: str | None, stored_state) -> list | None:
-    chain: list[list] = []
-    while response_id:
-        state = stored_state(response_id)
-        if state is None:
-            break
-        chain.append(state["items"])
-        response_id = state.get("previous_response_id")
-    return [item for items in reversed(chain) for item in items] if chain else None

@@ -52,8 +52,8 @@ def holder(payload) -> dict | None:
 
 
 def count(ids) -> int:
-    """How many prompt ids a response holds: a list, or the int32 array the relay puts in place
-    of the engine's for protocols that only count them; 0 if it has none."""
+    """How many prompt ids a response holds: a list, or the int32 array the engine exchange puts
+    in place of the engine's for protocols that only count them; 0 if it has none."""
     return 0 if ids is None or isinstance(ids, int) else len(ids)
 
 

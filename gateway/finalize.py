@@ -1,7 +1,7 @@
 """Ending a rollout: merge its calls into traces, store them, announce them.
 
 Runs on finish, on deadline expiry, and for any ended rollout found unmerged (a gateway that
-died between the two). The merge itself is pure (gateway/merge.py) and runs in a worker thread:
+died between the two). The merge itself is pure (gateway/merge/) and runs in a worker thread:
 a 200-call rollout takes milliseconds, but the event loop serves streams meanwhile.
 """
 
@@ -15,7 +15,8 @@ import asyncpg
 import msgspec
 import numpy as np
 
-from gateway.merge import STATUSES, CallTokens, MergeOptions, merge
+from gateway.merge import merge
+from gateway.merge.values import STATUSES, CallTokens, MergeOptions
 from gateway.store import traces as traces_store
 from gateway.store.tokens import (
     StoredTokens,

@@ -19,9 +19,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.stage_cpu import StageCpu
 from gateway.store.calls import CallRecord
 from gateway.store.ledger import CAUSES as LEDGER_CAUSES
 
@@ -63,6 +64,23 @@ class _Replicas(Collector):
             failures.add_metric([r.url], r.health.failures)
             paused.add_metric([r.url], r.paused_since or 0.0)
         yield from (healthy, in_flight, failures, paused)
+
+
+class _StageCpu(Collector):
+    def __init__(self, cpu: StageCpu) -> None:
+        self._cpu = cpu
+
+    def collect(self):
+        seconds = CounterMetricFamily(
+            "rolltap_stage_cpu_seconds",
+            "the gateway's own CPU in each stage of its model calls (gateway.stage_cpu)",
+            labels=["stage"],
+        )
+        for stage, ns in self._cpu.ns.items():
+            seconds.add_metric([stage], ns / 1e9)
+        calls = CounterMetricFamily("rolltap_stage_cpu_calls", "model calls the stages measured")
+        calls.add_metric([], self._cpu.calls)
+        yield from (seconds, calls)
 
 
 class Metrics:
@@ -148,9 +166,11 @@ class Metrics:
         self._children: dict[tuple, tuple] = {}
 
     def watch(self, replicas: Callable[[], Iterable], queue_depth: Callable[[], int],
-              in_flight: Callable[[], int], policy_version: Callable[[], int]) -> None:
+              in_flight: Callable[[], int], policy_version: Callable[[], int],
+              stage_cpu: StageCpu) -> None:
         """Values read from the live gateway at scrape time."""
         self.registry.register(_Replicas(replicas))
+        self.registry.register(_StageCpu(stage_cpu))
         self.queue_depth.set_function(queue_depth)
         self.in_flight.set_function(in_flight)
         self.policy_version.set_function(policy_version)

@@ -12,7 +12,8 @@ after `eject_after` consecutive failures a replica is ejected (no calls) until a
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,18 +59,28 @@ def place(key: int, seeds: np.ndarray, eligible: np.ndarray | None = None) -> in
 
 @dataclass
 class Health:
-    """One replica's health, fed by probes and calls. Pure: the caller passes the time."""
+    """One replica's health, fed by probes and calls. Pure: the caller passes the time.
+
+    A failed call counts once per rollout in a run of failures, a failed probe every time: one
+    rollout's calls alone (whatever it sends) never eject a replica that other rollouts and the
+    prober find working, while a dead replica fails its probes and goes."""
 
     eject_after: int = 3
-    failures: int = 0  # consecutive
+    failures: int = 0  # consecutive, as counted
     ejected: bool = False
     reason: str | None = None  # the last failure
     since: float = 0.0  # when `ejected` last changed (monotonic seconds)
+    sources: set[Hashable] = field(default_factory=set)  # rollouts counted in this run
 
-    def failure(self, now: float, reason: str) -> bool:
-        """Counts a failure; True if it ejects the replica just now."""
-        self.failures += 1
+    def failure(self, now: float, reason: str, source: Hashable | None = None) -> bool:
+        """Counts a failure of a call of rollout `source` (None: a probe); True if it ejects
+        the replica just now."""
         self.reason = reason
+        if source is not None:
+            if source in self.sources:
+                return False
+            self.sources.add(source)
+        self.failures += 1
         if not self.ejected and self.failures >= self.eject_after:
             self.ejected, self.since = True, now
             return True
@@ -78,6 +89,7 @@ class Health:
     def success(self, now: float) -> bool:
         """A passed probe or a good call; True if it takes an ejected replica back."""
         self.failures = 0
+        self.sources.clear()
         if self.ejected:
             self.ejected, self.since = False, now
             return True

@@ -7,7 +7,6 @@ import asyncio
 import gc
 import logging
 import signal
-import time
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +39,8 @@ async def _serve(cfg) -> None:
 
     from gateway import access_log
     from gateway.app import build_app
+    from gateway.app_keys import ADMISSION
+    from gateway.runtime import Runtime
     from gateway.store.db import open_pool, start_embedded
     from gateway.store.migrations import SchemaTooNew
 
@@ -64,7 +65,7 @@ async def _serve(cfg) -> None:
             f"rolltap gateway: cannot open database {dsn!r}: {exc}. Check "
             "--database-url (or drop it to use the embedded Postgres)."
         ) from exc
-    app = build_app(cfg, pool)
+    app = build_app(Runtime(cfg, pool))
     # keepalive_timeout bounds a connection's wait for a complete request head, from its first
     # byte and between keep-alive requests: slow-header and idle connections are closed. After
     # an answer that left the body unread (a 408 for a trickling body), the rest is drained for
@@ -98,7 +99,7 @@ async def _serve(cfg) -> None:
     try:
         await stop.wait()
         print("rolltap gateway: shutting down; in-flight calls may finish", flush=True)
-        await _drain(runner, app["services"], cfg.drain_timeout_s)
+        await _drain(runner, app[ADMISSION], cfg.drain_timeout_s)
     finally:
         await runner.cleanup()  # commits queued records (the recorder drains on close)
         await pool.close()
@@ -124,24 +125,14 @@ def settle_heap() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-async def _drain(runner, svc, timeout_s: float) -> None:
+async def _drain(runner, admission, timeout_s: float) -> None:
     """Stop accepting, let in-flight calls finish for `timeout_s`, then end the rest: each is
     recorded `aborted` and its client gets an error in its protocol."""
-    svc.closing = True
+    admission.closing = True
     for site in list(runner.sites):
         await site.stop()
     runner.server.pre_shutdown()  # idle keep-alive connections close now, busy ones after
-    deadline = time.monotonic() + timeout_s
-    while svc.model_requests and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if svc.model_requests:
-        log.warning("drain timeout: aborting %d calls still in flight", len(svc.calls))
-        for call in list(svc.calls):
-            call.abort("aborted", f"the gateway shut down ({timeout_s:g} s drain timeout)")
-        # Each aborted call records itself and writes its error event; give them the time.
-        finish_by = time.monotonic() + 30
-        while svc.model_requests and time.monotonic() < finish_by:
-            await asyncio.sleep(0.05)
+    await admission.drain(timeout_s)
 
 
 def write_headers_and_body_together() -> None:

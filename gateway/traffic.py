@@ -1,5 +1,5 @@
-"""What every request goes through before the protocol handlers: a request id, metrics, the
-gateway's in-flight limit, and a deadline for reading the body."""
+"""What every request goes through before the protocol handlers: a request id, metrics, and a
+deadline for reading the body (the in-flight limit is `gateway.admission`)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import uuid
 
 from aiohttp import web
 
+from gateway.app_keys import CONFIG, METRICS
 from gateway.logs import request_id
 from gateway.protocols.errors import GatewayError
 
 REQUEST_ID = "X-Request-Id"
 # A harness's own id is kept if it is a plain token; anything else is replaced.
 _VALID_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
-_RETRY_AFTER_S = "1"
 
 
 def protocol_of(path: str) -> str:
@@ -52,7 +52,7 @@ async def observe(request: web.Request, handler):
         request_id.reset(token)
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
-        request.app["services"].metrics.request_done(
+        request.app[METRICS].request_done(
             protocol_of(request.path), route, status, time.perf_counter() - started
         )
 
@@ -66,26 +66,6 @@ async def stamp_headers(request: web.Request, response: web.StreamResponse) -> N
     retry = request.get("retry_after")
     if retry:
         response.headers["Retry-After"] = retry
-
-
-def refuse_if_busy(request: web.Request, in_flight: int, limit: int, closing: bool) -> None:
-    """Past the gateway's in-flight limit (or while it shuts down) a call is refused in its
-    protocol's terms: OpenAI's 429 rate_limit_error, Anthropic's 529 overloaded_error, with
-    Retry-After, so harnesses back off and retry."""
-    if closing:
-        request["retry_after"] = _RETRY_AFTER_S
-        raise GatewayError(
-            503, "this gateway is shutting down; retry (another gateway will take the call)",
-            "overloaded_error",
-        )
-    if in_flight < limit:
-        return
-    request["retry_after"] = _RETRY_AFTER_S
-    message = (f"this gateway is serving its limit of {limit} calls at once (--max-inflight); "
-               f"retry after {_RETRY_AFTER_S} s")
-    if protocol_of(request.path) == "anthropic":
-        raise GatewayError(529, message, "overloaded_error")
-    raise GatewayError(429, message, "rate_limit_error", code="rate_limit_exceeded")
 
 
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
@@ -108,7 +88,7 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
 async def _read(request: web.Request) -> bytes:
     """The body as received, joined in one copy (none if it came in one piece): aiohttp's own
     `read` grows a bytearray and then copies it, three copies of a 130 kB conversation."""
-    limit = request.app["services"].config.max_body_bytes
+    limit = request.app[CONFIG].max_body_bytes
     chunks, size = [], 0
     while chunk := await request.content.readany():
         size += len(chunk)

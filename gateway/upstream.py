@@ -221,10 +221,11 @@ class Upstreams:
 
     # -- health ------------------------------------------------------------------------------
 
-    def failed(self, url: str, reason: str) -> None:
-        """A passive signal: a call to `url` could not connect, got a 5xx, broke or froze."""
+    def failed(self, url: str, reason: str, rollout_id: UUID | None = None) -> None:
+        """`url` could not connect, got a 5xx, broke or froze: on a call of `rollout_id`, or
+        on a probe (None). See `routing.Health` for how each counts."""
         replica = self.replicas.get(url)
-        if replica is not None and replica.health.failure(time.monotonic(), reason):
+        if replica is not None and replica.health.failure(time.monotonic(), reason, rollout_id):
             log.warning("ejecting replica %s: %s", url, reason)
             self._changed(replica)
             for abort in list(replica._aborts):
@@ -395,7 +396,7 @@ async def sse_batches(
     resp: aiohttp.ClientResponse, first_timeout_s: float, idle_timeout_s: float
 ) -> AsyncIterator[list[bytes]]:
     """The `data:` payloads of a server-sent-event stream, grouped by what arrived together,
-    so the relay answers each network read with one write instead of one per event. Raises
+    so the pipeline answers each network read with one write instead of one per event. Raises
     StreamStalled when the first read takes over `first_timeout_s` or a later one over
     `idle_timeout_s`: a frozen engine keeps its connection open but sends nothing."""
     pending = b""

@@ -1,6 +1,7 @@
-"""One model call's record: from a finished capture to a durable row.
+"""One model call's record: from its frozen outcome to a durable row.
 
-`Recording.record` is the only way a call reaches the `calls` table. It chooses the call's base
+`Recording.record` is the only way a call reaches the `calls` table, and the only writer of the
+rollout memory (`gateway.rollout_memory`). It chooses the call's base
 (delta encoding against committed calls only), builds the row, waits for its commit, and only
 then updates what later calls read: the recent-calls cache and the continuation reply index. A
 row that was refused therefore never becomes anyone's base, so one failed commit cannot make
@@ -10,26 +11,24 @@ later calls of its rollout (or, through a shared batch, of others) fail too.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from collections.abc import Callable
 
 import asyncpg
 import msgspec
 import numpy as np
 
 from gateway import engine_ids
-from gateway.merge import best_base
+from gateway.call_values import Outcome, ParsedCall
+from gateway.merge.prefixes import best_base
 from gateway.protocols.errors import GatewayError
 from gateway.recording.recorder import Recorder, Unavailable
+from gateway.rollout_memory import RolloutMemory
 from gateway.store import bodies
 from gateway.store import calls as calls_store
 from gateway.store.db import UNAVAILABLE
-from gateway.store.tokens import IDS, LOGPROBS, RecentCalls
 from gateway.store.values import clean_text
-
-if TYPE_CHECKING:
-    from gateway.continuer import Continuer
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +38,7 @@ __all__ = ["Recorder", "Recording", "RETRY_AFTER_S"]
 RETRY_AFTER_S = 2
 
 _encode = msgspec.json.encode
+_OVER_LIMITS_KEPT = 10_000
 _DB_ERRORS = (Unavailable, asyncpg.PostgresError, *UNAVAILABLE)
 
 
@@ -47,15 +47,19 @@ class Recording:
         self,
         pool: asyncpg.Pool,
         recorder: Recorder,
-        recent: RecentCalls,
-        continuer: Continuer,
+        memory: RolloutMemory,
         record_bodies: bool,
+        on_recorded: Callable[[calls_store.CallRecord], None],
     ) -> None:
         self._pool = pool
         self.recorder = recorder
-        self._recent = recent
-        self._continuer = continuer
+        self._recent = memory.recent
+        self._replies = memory.replies
         self._record_bodies = record_bodies
+        self._on_recorded = on_recorded
+        # Rollouts the database refused a call of for their limits: their next calls are
+        # refused before the engine works for them (a limit is never lifted).
+        self._over_limits: OrderedDict[uuid.UUID, GatewayError] = OrderedDict()
 
     def admit(self) -> None:
         """Raises 503 (529 on the Anthropic API) if a new call could not be recorded soon."""
@@ -68,14 +72,18 @@ class Recording:
                 retry_after=RETRY_AFTER_S,
             )
 
-    async def record(self, call, status: str, error: str | None = None) -> calls_store.CallRecord:
-        """Stores `call` (a relay call with its capture); returns the row once it is committed.
-        Raises a GatewayError the client can be given if it was not."""
-        cap = call.capture
-        rollout_id = call.rollout_id
-        prompt = cap.prompt_ids if cap.prompt_ids is not None else np.zeros(0, IDS)
-        prompt = prompt.astype(IDS, copy=False)
-        completion = np.frombuffer(cap.completion_ids, dtype=np.int32).astype(IDS, copy=False)
+    def admit_rollout(self, rollout_id: uuid.UUID) -> None:
+        """Raises the error of `rollout_id`'s last call refused for its limits, if there was one."""
+        refused = self._over_limits.get(rollout_id)
+        if refused is not None:
+            raise refused
+
+    async def record(self, out: Outcome) -> calls_store.CallRecord:
+        """Stores `out`; returns the row once it is committed. Raises a GatewayError the client
+        can be given if it was not."""
+        rollout_id = out.rollout_id
+        res, req, turn = out.result, out.request, out.plan
+        prompt, completion = res.prompt, res.completion
         try:
             candidates = self._recent.get(rollout_id)
             if candidates is None:
@@ -86,99 +94,103 @@ class Recording:
                 self._recent.load(rollout_id, candidates)
         except _DB_ERRORS as exc:
             raise _failure(exc) from exc
-        turn = call.turn
         opens = None
         if turn is not None:
-            turn.confirm(prompt)
             candidates = turn.candidates(candidates)
             opens = turn.opens(prompt, candidates)
         base_id, prefix_len = best_base(prompt, candidates, opens) if len(prompt) else (None, 0)
-        message = cap.message()
         response_summary = {
-            "message": message,
-            "finish_reason": cap.finish_reason,
-            "usage": cap.usage,
+            "message": res.message,
+            "finish_reason": res.finish_reason,
+            "usage": res.usage,
         }
         response_id = None
-        if call.state is not None and call.state_source is not None and status == "ok":
-            response_summary.update(call.state(call.state_source))
+        if out.stored_state is not None:
+            response_summary.update(out.stored_state)
             response_id = response_summary["response_id"]
-        reply_keys = turn.keys.reply_keys(message) if turn and status == "ok" else None
+        ok = out.status == "ok"
+        reply_keys = turn.keys.reply_keys(res.message) if turn and ok else None
         summary = _encode(response_summary)
-        request_body, request_base = self._request_body(rollout_id, base_id, call)
+        request_body, request_base = self._request_body(rollout_id, base_id, req)
         rec = calls_store.CallRecord(
-            id=call.id,
+            id=out.call_id,
             rollout_id=rollout_id,
-            protocol=call.protocol,
-            status=status,
-            started_at=call.started_at,
+            protocol=req.protocol,
+            status=out.status,
+            started_at=out.started_at,
             base_id=base_id,
             prefix_len=prefix_len,
             prompt_len=len(prompt),
             prompt_delta=prompt[prefix_len:].tobytes(),
             completion_ids=completion.tobytes(),
-            logprobs=np.frombuffer(cap.logprobs, dtype=np.float32)
-            .astype(LOGPROBS, copy=False)
-            .tobytes(),
-            versions=cap.versions().astype(IDS, copy=False).tobytes(),
-            finish_reason=clean_text(cap.finish_reason),
-            offered_tools=call.offered_tools,
-            model=call.model,
-            requested=call.requested,
-            applied=call.applied,
+            logprobs=res.logprobs.tobytes(),
+            versions=res.versions.tobytes(),
+            finish_reason=clean_text(res.finish_reason),
+            offered_tools=req.offered_tools,
+            model=req.model,
+            requested=req.requested,
+            applied=req.applied,
             request_body=request_body,
             # Kept even without --record-bodies when it carries conversation state a later
             # request may continue from.
             response_body=bodies.whole(summary)
             if self._record_bodies or response_id
             else None,
-            upstream=call.upstream,
-            latency_ms=(time.perf_counter() - call.started) * 1000,
-            ttft_ms=call.ttft_ms,
-            error=clean_text(error),
-            user_agent=clean_text(call.user_agent),
+            upstream=res.upstream,
+            latency_ms=out.latency_ms,
+            ttft_ms=res.ttft_ms,
+            error=clean_text(out.error),
+            user_agent=clean_text(req.user_agent),
             response_id=response_id,
             continuation=msgspec.to_builtins(turn.record) if turn else None,
             reply_keys=reply_keys,
-            rerouted=call.rerouted,
-            constrained=bool(call.constraints),
-            body_digest=call.digest,
-            retry_count=call.retry_count,
+            rerouted=res.rerouted,
+            constrained=bool(req.constraints),
+            body_digest=req.digest,
+            retry_count=req.retry_count,
             request_base=request_base,
         )
         try:
             await self.recorder.record(rec)
         except _DB_ERRORS as exc:
-            raise _failure(exc) from exc
+            failure = _failure(exc)
+            if failure.code == "rollout_limit":
+                self._over_limits[rollout_id] = failure
+                if len(self._over_limits) > _OVER_LIMITS_KEPT:
+                    self._over_limits.popitem(last=False)
+            raise failure from exc
         # Committed: from now on a later call may use it as its base or continue from it.
         if len(prompt):
             self._recent.add(
                 rollout_id,
-                call.id,
+                out.call_id,
                 turn.full(prompt, completion) if turn else np.concatenate((prompt, completion)),
                 turn.keys if turn else None,
-                body=call.raw if self._record_bodies else None,
+                body=req.raw if self._record_bodies else None,
                 reply=summary if self._record_bodies else b"",
                 full_json=None
-                if call.prompt_json is None
-                else engine_ids.extend(call.prompt_json, _encode(completion.tolist())),
+                if out.prompt_json is None
+                else engine_ids.extend(out.prompt_json, _encode(completion.tolist())),
                 supersedes=base_id if _continues(base_id, prefix_len, candidates) else None,
-                request=None if call.layout is None else call.layout.kept(),
+                request=None if req.layout is None else req.layout.kept(),
             )
         if reply_keys:
-            self._continuer.remember(rollout_id, call.id, reply_keys)
+            self._replies.add(rollout_id, out.call_id, reply_keys)
+        self._on_recorded(rec)
         return rec
 
-    def _request_body(self, rollout_id, base_id, call) -> tuple[bytes | None, uuid.UUID | None]:
+    def _request_body(
+        self, rollout_id: uuid.UUID, base_id: uuid.UUID | None, req: ParsedCall
+    ) -> tuple[bytes | None, uuid.UUID | None]:
         """(stored body, the call it is a delta against): the token base's body is the parent
         (the same conversation, one turn earlier); whole when that body is not at hand."""
         if not self._record_bodies:
             return None, None
         base = self._recent.find(rollout_id, base_id) if base_id is not None else None
         if base is None or base.body is None:
-            return bodies.whole(call.raw), None
-        known = 0 if call.layout is None else call.layout.shared_with(base.body)
-        return bodies.delta(base.body, call.raw, base.reply, known), base_id
+            return bodies.whole(req.raw), None
+        known = 0 if req.layout is None else req.layout.shared_with(base.body)
+        return bodies.delta(base.body, req.raw, base.reply, known), base_id
 
 
 def _continues(base_id, prefix_len: int, candidates) -> bool:
@@ -191,6 +203,16 @@ def _continues(base_id, prefix_len: int, candidates) -> bool:
 
 def _failure(exc: BaseException) -> GatewayError:
     """The client's error for a call that was not recorded."""
+    if getattr(exc, "sqlstate", None) == "RT413":
+        what = "storage quota (--rollout-max-stored-mb)" if "storage" in str(exc) else (
+            "limit of calls (the merge takes at most that many)")
+        return GatewayError(
+            413,
+            f"this rollout is past its {what}; the call was not recorded, and its next calls "
+            "will not be either: end the rollout",
+            "request_too_large",
+            code="rollout_limit",
+        )
     if getattr(exc, "sqlstate", None) == "RT409":
         return GatewayError(
             409,

@@ -50,8 +50,10 @@ class Recorder:
         max_batch: int = 512,
         max_pending: int = 4096,
         command_timeout_s: float | None = None,
+        limits: calls_store.Limits = calls_store.NO_LIMITS,
     ) -> None:
         self._pool = pool
+        self._limits = limits
         self._max_batch = max_batch
         self.max_pending = max_pending
         self._timeout = command_timeout_s
@@ -179,7 +181,7 @@ class Recorder:
         try:
             await conn.executemany(
                 calls_store.INSERT,
-                [calls_store.insert_args(rec) for rec, _ in batch],
+                [calls_store.insert_args(rec, self._limits) for rec, _ in batch],
                 timeout=self._timeout,
             )
         except UNAVAILABLE:
@@ -194,7 +196,8 @@ class Recorder:
             for rec, fut in batch:
                 try:
                     await conn.execute(
-                        calls_store.INSERT, *calls_store.insert_args(rec), timeout=self._timeout
+                        calls_store.INSERT, *calls_store.insert_args(rec, self._limits),
+                        timeout=self._timeout,
                     )
                 except UNAVAILABLE:
                     raise

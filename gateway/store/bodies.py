@@ -32,7 +32,7 @@ from uuid import UUID
 import xxhash
 import zstandard
 
-from gateway.byte_ends import shared
+from gateway.byte_ends import shared_ends
 from gateway.store.tokens import parents_first
 
 LEVEL = 3  # fast, and JSON conversations still shrink 5-10x
@@ -68,14 +68,6 @@ def whole(body: bytes) -> bytes:
 
 def unwhole(stored: bytes) -> bytes:
     return _plain()[1].decompress(stored)
-
-
-def shared_ends(parent: bytes, child: bytes, known: int = 0) -> tuple[int, int]:
-    """(shared prefix, shared suffix) lengths; the suffix never overlaps the prefix. `known`: a
-    prefix length they are known to share."""
-    shortest = min(len(parent), len(child))
-    pre = shared(parent, child, shortest, known=known)
-    return pre, shared(parent, child, shortest - pre, at_end=True)
 
 
 def _dict(content: bytes) -> zstandard.ZstdCompressionDict | None:

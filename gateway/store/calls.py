@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import NamedTuple
 from uuid import UUID
 
 import asyncpg
@@ -61,9 +62,15 @@ class CallRecord(msgspec.Struct, kw_only=True):
 # refused (SQLSTATE RT409), not silently kept out of its traces: finishing takes the same row
 # lock, and the UPDATE returns the status as of that lock, so either the call commits before
 # the finish (and is merged) or it is refused.
+#
+# The same statement holds each rollout to its limits ($33 calls, $34 stored body bytes): past
+# either the call is refused (SQLSTATE RT413), whichever gateway records it.
 INSERT = """
 WITH bump AS (
-    UPDATE rollouts SET call_count = call_count + 1 WHERE id = $2 RETURNING call_count, status
+    UPDATE rollouts SET call_count = call_count + 1,
+        stored_bytes = stored_bytes + coalesce(octet_length($17::bytea), 0)
+                                    + coalesce(octet_length($18::bytea), 0)
+    WHERE id = $2 RETURNING call_count, status, stored_bytes
 )
 INSERT INTO calls (
     id, rollout_id, seq, protocol, status, base_id, prefix_len, prompt_len, prompt_delta,
@@ -73,14 +80,27 @@ INSERT INTO calls (
     request_base
 )
 SELECT $1, $2,
-       CASE WHEN bump.status = 'running' THEN bump.call_count ELSE rolltap_refuse_call($2) END,
+       CASE WHEN bump.status <> 'running' THEN rolltap_refuse_call($2)
+            WHEN bump.call_count > $33 THEN rolltap_refuse_over($2, 'limit of calls')
+            WHEN bump.stored_bytes > $34 THEN rolltap_refuse_over($2, 'storage quota')
+            ELSE bump.call_count END,
        $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
        $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32
 FROM bump
 """
 
 
-def insert_args(r: CallRecord) -> tuple:
+class Limits(NamedTuple):
+    """What one rollout may store: calls, and body bytes (as stored, compressed)."""
+
+    calls: int
+    stored_bytes: int
+
+
+NO_LIMITS = Limits(2**31 - 1, 2**63 - 1)
+
+
+def insert_args(r: CallRecord, limits: Limits = NO_LIMITS) -> tuple:
     return (
         r.id,
         r.rollout_id,
@@ -114,6 +134,8 @@ def insert_args(r: CallRecord) -> tuple:
         r.retry_count,
         r.started_at,
         r.request_base,
+        limits.calls,
+        limits.stored_bytes,
     )
 
 

@@ -248,7 +248,7 @@ MIGRATIONS: list[tuple[int, str]] = [
     (
         8,
         """
-        -- Which toolless calls of a rollout are side calls (gateway/merge.py): 'auto', 'toolless'
+        -- Which toolless calls of a rollout are side calls (gateway/merge/): 'auto', 'toolless'
         -- or 'none', as its creator said on POST /admin/rollouts.
         ALTER TABLE rollouts ADD COLUMN side_calls text NOT NULL DEFAULT 'auto'
             CHECK (side_calls IN ('auto', 'toolless', 'none'));
@@ -260,6 +260,20 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE deliveries
             ADD COLUMN trained_tokens  integer,
             ADD COLUMN excluded_tokens integer;
+        """,
+    ),
+    (
+        9,
+        """
+        -- Each rollout's stored body bytes, bumped with its call count in the call's INSERT,
+        -- which refuses a call past the rollout's limits (store/calls.py, SQLSTATE RT413).
+        ALTER TABLE rollouts ADD COLUMN stored_bytes bigint NOT NULL DEFAULT 0;
+        CREATE FUNCTION rolltap_refuse_over(rollout uuid, what text) RETURNS integer
+        LANGUAGE plpgsql AS $$
+        BEGIN
+            RAISE EXCEPTION 'rollout % is past its %', rollout, what USING ERRCODE = 'RT413';
+        END
+        $$;
         """,
     ),
 ]

@@ -17,9 +17,9 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
+from gateway.app_keys import CONFIG, POOL
 from gateway.protocols.errors import GatewayError
 from gateway.ratelimit import TokenBuckets
-from gateway.services import Services
 from gateway.store import calls as calls_store
 from gateway.store import listing
 from gateway.store import rollouts as rollouts_store
@@ -69,10 +69,10 @@ def _json(obj) -> web.Response:
     )
 
 
-def _authorised(request: web.Request) -> Services:
-    svc: Services = request.app["services"]
-    session.check(request.headers, request.cookies, svc.config.admin_key)
-    return svc
+def _authorised(request: web.Request) -> web.Application:
+    app = request.app
+    session.check(request.headers, request.cookies, app[CONFIG].admin_key)
+    return app
 
 
 @routes.get("/ui")
@@ -98,7 +98,7 @@ async def static(request: web.Request) -> web.Response:
 
 @routes.post("/ui/login")
 async def login(request: web.Request) -> web.Response:
-    svc: Services = request.app["services"]
+    config = request.app[CONFIG]
     failures = request.app[LOGIN_FAILURES]
     client = request.remote
     wait = failures.wait(client, time.monotonic())
@@ -110,14 +110,14 @@ async def login(request: web.Request) -> web.Response:
     form = await request.post()
     key = form.get("key")
     if not isinstance(key, str) or not hmac.compare_digest(
-        key.encode(), svc.config.admin_key.encode()
+        key.encode(), config.admin_key.encode()
     ):
         failures.spend(client, time.monotonic())
         return _page("login.html", 401, "That is not the admin key.")
     resp = web.HTTPSeeOther("/ui")
     resp.set_cookie(
         session.COOKIE,
-        session.issue(svc.config.admin_key),
+        session.issue(config.admin_key),
         max_age=session.LIFETIME_S,
         path="/ui",
         httponly=True,
@@ -166,7 +166,7 @@ def filter_from_query(query) -> listing.Filter:
 
 @routes.get("/ui/api/rollouts")
 async def list_rollouts(request: web.Request) -> web.Response:
-    svc = _authorised(request)
+    app = _authorised(request)
     q = request.query
     filt = filter_from_query(q)
     try:
@@ -176,7 +176,7 @@ async def list_rollouts(request: web.Request) -> web.Response:
         raise GatewayError(400, str(exc)) from None
     if not 1 <= limit <= MAX_PAGE:
         raise GatewayError(400, f"limit must be 1 to {MAX_PAGE}", param="limit")
-    async with svc.pool.acquire() as conn:
+    async with app[POOL].acquire() as conn:
         rows, nxt = await listing.page(conn, filt, after, limit)
     return _json({"rollouts": rows, "next": nxt})
 
@@ -199,12 +199,12 @@ def _sequence(trace: traces_store.StoredTrace, calls: dict[str, dict]) -> dict:
 
 @routes.get("/ui/api/rollouts/{rollout_id}")
 async def rollout_detail(request: web.Request) -> web.Response:
-    svc = _authorised(request)
+    app = _authorised(request)
     try:
         rollout_id = uuid.UUID(request.match_info["rollout_id"])
     except ValueError:
         raise GatewayError(404, "no such rollout", "not_found_error") from None
-    async with svc.pool.acquire() as conn:
+    async with app[POOL].acquire() as conn:
         row = await rollouts_store.get(conn, rollout_id)
         if row is None:
             raise GatewayError(404, f"no rollout {rollout_id}", "not_found_error")
@@ -214,7 +214,7 @@ async def rollout_detail(request: web.Request) -> web.Response:
         traces = await traces_store.fetch(conn, rollout_id) if row["merged_at"] else []
     by_id = {c["call_id"]: c for c in calls}
     texts, tokenizer_note = None, None
-    model_dir = svc.config.tokenizer or svc.config.local_template
+    model_dir = app[CONFIG].tokenizer or app[CONFIG].local_template
     if model_dir is None:
         tokenizer_note = "start the gateway with --tokenizer MODEL_DIR to see token text"
     elif traces:

@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from gateway.render import _bytes_to_unicode
+from gateway.byte_level import bytes_to_unicode
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -39,7 +39,7 @@ def vocab_from_tokenizer_json(spec: dict) -> Vocab:
         vocab = {piece: i for i, (piece, _) in enumerate(vocab)}
     texts: dict[int, str] = {}
     if _byte_level(spec):
-        to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+        to_byte = {c: b for b, c in bytes_to_unicode().items()}
         for token, i in vocab.items():
             raw = bytes(to_byte.get(c, 0x3F) for c in token)
             texts[i] = raw.decode("utf-8", errors="backslashreplace")

@@ -20,9 +20,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.continuation.checked_render import CheckedRenderer
+from gateway.continuation.engine_render import EngineRenderer
+from gateway.continuation.local_template import LocalTemplate
+from gateway.continuation.window import WINDOWS, WindowedRenderer
 from gateway.protocols import resumable
-from gateway.render import CheckedRenderer, EngineRenderer, LocalTemplate
-from gateway.render_window import WINDOWS, WindowedRenderer
 from gateway.store import bodies
 from gateway.store import calls as calls_store
 from gateway.upstream import Upstreams

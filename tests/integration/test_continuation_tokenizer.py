@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.render import LocalTemplate
+from gateway.continuation.local_template import LocalTemplate
 
 
 @pytest.fixture(scope="module")

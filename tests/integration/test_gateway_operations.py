@@ -5,7 +5,9 @@ Real gateway processes, real Postgres, the session's real vLLM."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
 import signal
 import socket
 import time
@@ -291,3 +293,72 @@ def test_past_max_inflight_callers_get_protocol_shaped_429_and_529(vllm_server, 
         gw.stop()
     for s in streams:
         s.join(60)
+
+
+def test_slow_bodies_of_one_rollout_leave_the_gateway_slots_to_others(vllm_server,
+                                                                      database_url, tmp_path):
+    """Issue #28, attack 9: request heads whose bodies never finish held every in-flight slot,
+    and another rollout's call got 429. Now a call takes a gateway slot once its body is in;
+    until then it counts against its own rollout's share only."""
+    gw = GatewayProcess([vllm_server.url], database_url, "--max-inflight", "2",
+                        "--rollout-max-inflight", "8", "--body-timeout", "60",
+                        log_path=tmp_path / "gw.log").start()
+    hog, other = gw.new_rollout(), gw.new_rollout()
+    held = []
+    try:
+        for _ in range(8):
+            sock = socket.create_connection(("127.0.0.1", gw.port), timeout=10)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100000\r\n"
+                         b"Authorization: Bearer " + hog["api_key"].encode() + b"\r\n\r\n{")
+            held.append(sock)
+        time.sleep(1)  # the heads are in and their bodies are being read
+        oai = openai.OpenAI(base_url=other["openai_base_url"], api_key=other["api_key"],
+                            max_retries=0, timeout=120)
+        reply = oai.chat.completions.create(model=vllm_server.model, max_tokens=4,
+                                            messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices
+        # the hog's ninth request is past its own share
+        r = httpx.post(hog["openai_base_url"] + "/chat/completions", timeout=30,
+                       headers={"Authorization": f"Bearer {hog['api_key']}"},
+                       json={"model": vllm_server.model, "max_tokens": 4,
+                             "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 429 and "--rollout-max-inflight" in r.json()["error"]["message"]
+    finally:
+        for sock in held:
+            sock.close()
+        gw.stop()
+
+
+def test_a_rollout_past_its_storage_quota_is_refused_in_its_protocol(vllm_server, database_url,
+                                                                     tmp_path):
+    """Issue #28, attack 11: one rollout could store without bound (four 8 MiB requests stored
+    27 MiB). Past --rollout-max-stored-mb its calls get 413 in their protocol, are not
+    recorded, and its next calls are refused before the engine works for them; another
+    rollout goes on."""
+    gw = GatewayProcess([vllm_server.url], database_url, "--rollout-max-stored-mb", "0.008",
+                        log_path=tmp_path / "gw.log").start()
+    try:
+        hog, other = gw.new_rollout(), gw.new_rollout()
+        ant = anthropic.Anthropic(base_url=hog["anthropic_base_url"], api_key=hog["api_key"],
+                                  max_retries=0, timeout=120)
+
+        def call(client):
+            noise = base64.b64encode(os.urandom(4500)).decode()  # about 6 kB, incompressible
+            return client.messages.create(model=vllm_server.model, max_tokens=2,
+                                          messages=[{"role": "user", "content": noise}])
+
+        call(ant)
+        for _ in range(2):
+            with pytest.raises(anthropic.APIStatusError) as info:
+                call(ant)
+            assert info.value.status_code == 413
+            assert info.value.body["error"]["type"] == "request_too_large"
+            assert "storage quota" in info.value.body["error"]["message"]
+        assert len(gw.calls(hog["rollout_id"])) == 1
+        client = openai.OpenAI(base_url=other["openai_base_url"], api_key=other["api_key"],
+                               max_retries=0, timeout=120)
+        assert client.chat.completions.create(model=vllm_server.model, max_tokens=2,
+                                              messages=[{"role": "user", "content": "hi"}])
+    finally:
+        gw.stop()

@@ -58,6 +58,18 @@ def _short_call(rollout: dict, model: str, stream: bool = False):
         list(out)
 
 
+def _engine_idle(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(url + "/metrics", timeout=5).text
+        running = [line for line in text.splitlines()
+                   if line.startswith("vllm:num_requests_running")]
+        if running and all(float(line.rsplit(" ", 1)[1]) == 0 for line in running):
+            return
+        assert time.monotonic() < deadline, running
+        time.sleep(0.2)
+
+
 def _state(gw: GatewayProcess, url: str) -> str:
     listing = gw.admin.get("/admin/upstreams").json()["upstreams"]
     return next(u["state"] for u in listing if u["url"] == url)
@@ -249,4 +261,28 @@ def test_a_paused_replica_whose_lease_runs_out_is_resumed_and_an_unleased_pause_
             assert r.status_code == status, r.text
     finally:
         httpx.post(f"{url}/resume", timeout=30)
+        gw.stop()
+
+
+def test_one_rollouts_long_calls_do_not_eject_the_replica_others_use(
+    vllm_server, database_url, tmp_path
+):
+    """Issue #28, attack 10: whole-response calls that run past --upstream-timeout are the
+    rollout's long generations, not a replica fault. Before, three of them ejected the shared
+    replica and every other rollout's call on it ended 503."""
+    # No probe in between to take a failure count back (the last flag wins).
+    gw = _gateway([vllm_server.url], database_url, tmp_path, "--upstream-timeout", "3",
+                  "--probe-interval", "60")
+    try:
+        hog, other = gw.new_rollout(), gw.new_rollout()
+        body = {**long_stream_body(vllm_server.model, max_tokens=4000), "stream": False}
+        for _ in range(3):
+            r = httpx.post(hog["openai_base_url"] + "/chat/completions", json=body, timeout=60,
+                           headers={"Authorization": f"Bearer {hog['api_key']}"})
+            assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"], r.text
+        assert _state(gw, vllm_server.url) == "healthy"
+        _engine_idle(vllm_server.url)  # the hog's requests were aborted; the engine is free
+        _short_call(other, vllm_server.model)
+        assert [c["status"] for c in gw.calls(other["rollout_id"])] == ["ok"]
+    finally:
         gw.stop()

@@ -1,6 +1,8 @@
 """The packages' dependency direction (pyproject.toml, [tool.importlinter]) holds: the gateway
 imports neither other package, the sandbox reaches the gateway only over HTTP, and the bridge uses
-only the gateway's store and the helpers listed. Kept by `make test` as well as `make lint`."""
+only the gateway's store and the helpers listed, and the gateway's own modules keep their layers
+(serve > app > routes > runtime > pipeline > its stages > protocols, upstream > store). Kept by
+`make test` as well as `make lint`."""
 
 from __future__ import annotations
 

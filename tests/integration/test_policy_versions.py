@@ -4,6 +4,8 @@ carries both versions, split inside the one response."""
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 
@@ -89,3 +91,50 @@ def test_non_streamed_call_gets_the_older_version(gateway, vllm_server):
     worker.join(300)
     [call_rec] = gateway.calls(rollout["rollout_id"])
     assert set(call_rec["versions"]) == {5}
+
+
+def _engine_done(vllm_url: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(vllm_url + "/metrics", timeout=5).text
+        running = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:num_requests_running")]
+        if running and not any(running):
+            return
+        assert time.monotonic() < deadline, "the engine never finished the reply"
+        time.sleep(0.2)
+
+
+def test_a_client_that_stalls_across_a_sync_keeps_its_tokens_sampling_version(gateway,
+                                                                               vllm_server):
+    """Issue #28, attack 7: the engine finished a long reply under one version while its client
+    read slowly; a new version went live before the client read the rest. Every token keeps
+    the version it was sampled under: the gateway reads the engine at the engine's pace. The
+    client is a raw socket with a small receive buffer, so its stall reaches the gateway."""
+    assert gateway.admin.post("/admin/policy", json={"version": 10}).status_code == 200
+    rollout = gateway.new_rollout()
+    body = json.dumps({"model": vllm_server.model, "stream": True, "max_tokens": 6000,
+                       "min_tokens": 6000,
+                       "messages": [{"role": "user", "content": "Tell me everything."}]})
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(300)
+    sock.connect(("127.0.0.1", gateway.port))
+    try:
+        sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                      f"Authorization: Bearer {rollout['api_key']}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                      + body).encode())
+        first = sock.recv(2048)
+        assert b" 200 " in first.split(b"\r\n", 1)[0], first[:200]
+        _engine_done(vllm_server.url)  # the client reads nothing meanwhile
+        assert gateway.admin.post("/admin/policy", json={"version": 11}).status_code == 200
+        rest = bytearray(first)
+        while chunk := sock.recv(1 << 16):
+            rest += chunk
+        assert b"data: [DONE]" in rest
+    finally:
+        sock.close()
+    [call] = gateway.calls(rollout["rollout_id"])
+    assert call["status"] == "ok" and len(call["completion_ids"]) == 6000
+    assert set(call["versions"]) == {10}

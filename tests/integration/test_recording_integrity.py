@@ -390,6 +390,27 @@ def test_strict_tool_call_is_recorded_constrained_and_not_trained(gw, vllm_serve
     assert sum(h["constrained_calls"] for h in metrics) >= 1
 
 
+def test_fields_that_change_sampling_never_reach_the_engine(gw, vllm_server):
+    """Issue #28, attack 8: an allow-list, not a deny-list. Beam search, length penalty, custom
+    logits-processor arguments, watermarking and the engine's own prompt-ids channel are
+    stripped and named in the record; the call trains as a free one, on the prompt the gateway
+    rendered (with `kv_transfer_params` the engine would have taken three made-up ids)."""
+    rollout = gw.new_rollout(task_id="allow-list")
+    client = openai.OpenAI(base_url=rollout["openai_base_url"], api_key=rollout["api_key"],
+                           max_retries=0, timeout=120)
+    reply = client.chat.completions.create(
+        model=vllm_server.model, max_tokens=6, messages=[{"role": "user", "content": "hello"}],
+        extra_body={"use_beam_search": True, "length_penalty": 2.0, "watermarking": {"on": 1},
+                    "vllm_xargs": {"x": 1}, "kv_transfer_params": {"prompt_token_ids": [1, 2, 3]},
+                    "no_such_field": 1, "min_tokens": 2, "stop": ["zzz"]})
+    assert reply.choices
+    [call] = gw.calls(rollout["rollout_id"])
+    assert call["applied"]["stripped"] == ["kv_transfer_params", "length_penalty", "no_such_field",
+                                           "use_beam_search", "vllm_xargs", "watermarking"]
+    assert call["applied"]["constrained_by"] == ["min_tokens"] and call["constrained"]
+    assert len(call["prompt_ids"]) > 3
+
+
 # -- item 7: NUL in the harness's own output -----------------------------------------------------
 
 

@@ -65,9 +65,10 @@ def test_an_upgrade_keeps_stored_calls_and_refuses_late_ones(dsn, monkeypatch):
                 assert await migrations.migrate(conn) == 6
             old_rollout = await _rollout(conn)
             old = _call(old_rollout, _prompt(32768, 1))
-            columns = [c.strip() for c in calls_store.INSERT.split("(")[2].split(")")[0].split(",")]
-            values = dict(zip(
-                [c for c in columns if c != "seq"], calls_store.insert_args(old), strict=True
+            listed = calls_store.INSERT.split("INSERT INTO calls (")[1].split(")")[0]
+            columns = [c.strip() for c in listed.split(",")]
+            values = dict(zip(  # the last two arguments are the limits, not columns
+                [c for c in columns if c != "seq"], calls_store.insert_args(old)[:-2], strict=True
             ))  # fmt: skip
             await conn.execute(
                 f"INSERT INTO calls ({', '.join(values)}, seq)"
@@ -129,6 +130,43 @@ def test_a_schema_newer_than_this_rolltap_is_refused(dsn):
             await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", newest + 1)
             with pytest.raises(migrations.SchemaTooNew, match=f"version {newest + 1}, newer"):
                 await migrations.migrate(conn)
+        finally:
+            await conn.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_rollout_past_its_limits_has_its_calls_refused(dsn):
+    """Issue #28: each rollout's calls and stored body bytes are bounded in the INSERT itself
+    (whichever gateway records), and a refused call changes nothing."""
+    async def scenario():
+        conn = await asyncpg.connect(dsn)
+        await init_connection(conn)
+        try:
+            await migrations.migrate(conn)
+            counted = await _rollout(conn)
+            limits = calls_store.Limits(calls=2, stored_bytes=1 << 30)
+            for i in range(2):
+                await conn.execute(calls_store.INSERT,
+                                   *calls_store.insert_args(_call(counted, _prompt(8, i)), limits))
+            with pytest.raises(asyncpg.PostgresError, match="limit of calls") as refused:
+                await conn.execute(calls_store.INSERT,
+                                   *calls_store.insert_args(_call(counted, _prompt(8, 3)), limits))
+            assert refused.value.sqlstate == "RT413"
+            assert await conn.fetchval("SELECT call_count FROM rollouts WHERE id = $1",
+                                       counted) == 2
+
+            stored = await _rollout(conn)
+            one = _call(stored, _prompt(8, 4))
+            size = len(one.request_body) + len(one.response_body)
+            limits = calls_store.Limits(calls=100, stored_bytes=size + size // 2)
+            await conn.execute(calls_store.INSERT, *calls_store.insert_args(one, limits))
+            with pytest.raises(asyncpg.PostgresError, match="storage quota") as refused:
+                await conn.execute(calls_store.INSERT,
+                                   *calls_store.insert_args(_call(stored, _prompt(8, 5)), limits))
+            assert refused.value.sqlstate == "RT413"
+            assert await conn.fetchval("SELECT stored_bytes FROM rollouts WHERE id = $1",
+                                       stored) == size
         finally:
             await conn.close()
 

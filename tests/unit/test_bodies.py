@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.byte_ends import shared_ends
 from gateway.store import bodies
 
 json_values = st.recursive(
@@ -101,9 +102,9 @@ def test_shared_ends_are_the_longest(a, b, common):
     pre = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     rest = min(len(a), len(b)) - pre
     suf = next((i for i in range(rest) if a[-1 - i] != b[-1 - i]), rest)
-    assert bodies.shared_ends(a, b) == (pre, suf)
+    assert shared_ends(a, b) == (pre, suf)
     for known in range(pre + 1):  # a prefix known to be shared changes nothing
-        assert bodies.shared_ends(a, b, known) == (pre, suf)
+        assert shared_ends(a, b, known) == (pre, suf)
 
 
 def test_a_delta_stores_only_what_the_child_adds():

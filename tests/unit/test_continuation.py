@@ -1,5 +1,5 @@
 """Tests of the pure parts of exact continuation: detection of the call a request continues
-(gateway.continuation), the splice, and the local tokenizer (gateway.render)."""
+(gateway.continuation), the splice, and the renderers (gateway.continuation)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from gateway import continuation as cont
-from gateway.continuation import RequestKeys, assistant_suffix, counts, splice
-from gateway.continuer import Turn
-from gateway.render import (
+from gateway.continuation import keys as keys_module
+from gateway.continuation import splice as cont
+from gateway.continuation.checked_render import CheckedRenderer
+from gateway.continuation.keys import RequestKeys, canonical_message
+from gateway.continuation.planner import Turn
+from gateway.continuation.rendering import (
     Around,
-    CheckedRenderer,
     Crosscheck,
     RenderError,
     opening_messages,
@@ -28,7 +29,8 @@ from gateway.render import (
     split_around,
     split_spans,
 )
-from gateway.render_window import WINDOWS, shape, window
+from gateway.continuation.splice import assistant_suffix, counts, splice
+from gateway.continuation.window import WINDOWS, shape, window
 
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
 
@@ -196,9 +198,9 @@ def test_rolling_keys_resume_from_the_request_they_extend(monkeypatch):
     }
     second = {"model": "m", "messages": [*first["messages"], {"role": "user", "content": "c"}]}
     hashed = []
-    original = cont.canonical_message
+    original = canonical_message
     monkeypatch.setattr(
-        cont, "canonical_message", lambda m, **kw: hashed.append(m) or original(m, **kw)
+        keys_module, "canonical_message", lambda m, **kw: hashed.append(m) or original(m, **kw)
     )
     earlier = RequestKeys(first)
     hashed.clear()
@@ -230,9 +232,9 @@ def test_numbers_outside_the_keyed_fields_do_not_stop_resuming(monkeypatch):
         *first["messages"], {"role": "tool", "tool_call_id": "c1", "content": "r"}]}  # fmt: skip
     earlier = RequestKeys(first)
     hashed = []
-    original = cont.canonical_message
+    original = canonical_message
     monkeypatch.setattr(
-        cont, "canonical_message", lambda m, **kw: hashed.append(m) or original(m, **kw)
+        keys_module, "canonical_message", lambda m, **kw: hashed.append(m) or original(m, **kw)
     )
     rolled = RequestKeys(second, [earlier])
     assert hashed == [second["messages"][-1]]

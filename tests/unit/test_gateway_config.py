@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gateway import config
-from gateway.merge import MergeOptions
+from gateway.merge.values import MergeOptions
 
 # flag, its default once parsed, metavar, choices, help as `--help` prints it.
 FLAGS = [
@@ -113,6 +113,18 @@ FLAGS = [
     ('--max-inflight', 1024, 'N', None,
      'model calls served at once; past it callers get 429 (OpenAI) or 529 (Anthropic) with '
      'Retry-After (env ROLLTAP_MAX_INFLIGHT; default 1024)'),
+    ('--rollout-max-inflight', 32, 'N', None,
+     'model calls one rollout may have at once, counted from its request head (a body still '
+     'being sent counts); past it that rollout\'s callers get 429 (OpenAI) or 529 '
+     '(Anthropic) with Retry-After, and other rollouts are not affected (env '
+     'ROLLTAP_ROLLOUT_MAX_INFLIGHT; default 32)'),
+    ('--rollout-max-rps', 50.0, 'RATE', None,
+     'model calls one rollout may start per second, with bursts of twice as many; past it '
+     'that rollout\'s callers get 429 with Retry-After (env ROLLTAP_ROLLOUT_MAX_RPS; default '
+     '50.0)'),
+    ('--rollout-max-stored-mb', 1024.0, 'MB', None,
+     'body bytes one rollout may store (compressed, as stored); past it its calls are '
+     'refused with 413 and not recorded (env ROLLTAP_ROLLOUT_MAX_STORED_MB; default 1024.0)'),
     ('--drain-timeout', 30.0, 'SECONDS', None,
      'on SIGTERM/SIGINT, seconds in-flight calls may still finish; then they are recorded '
      'aborted and ended with an error event (env ROLLTAP_DRAIN_TIMEOUT; default 30.0)'),
@@ -135,7 +147,9 @@ DEFAULTS = {
     "default_max_tokens": None, "continuation": "exact", "local_template": None,
     "merge_options": MergeOptions(), "eject_after": 3, "probe_interval_s": 2.0,
     "replica_max_inflight": None, "ttft_timeout_s": 120.0, "stream_idle_timeout_s": 30.0,
-    "max_inflight": 1024, "drain_timeout_s": 30.0, "idle_timeout_s": 15.0,
+    "max_inflight": 1024, "rollout_max_inflight": 32, "rollout_max_rps": 50.0,
+    "rollout_max_stored_mb": 1024.0,
+    "drain_timeout_s": 30.0, "idle_timeout_s": 15.0,
     "body_timeout_s": 30.0, "db_pool_size": 10, "access_log": True, "tokenizer": None,
     "db_acquire_timeout_s": 5.0, "db_command_timeout_s": 10.0, "max_pending_records": 4096,
     "recent_calls_mib": 512,
@@ -153,7 +167,8 @@ ENVIRONMENT = {
     "RECENT_CALLS_MIB": "0", "TRAIN_CONSTRAINED": "1", "TRAIN_AUXILIARY": "true",
     "TRAIN_ABANDONED": "yes", "TRAIN_ABORTED": "1", "EJECT_AFTER": "5",
     "PROBE_INTERVAL": "0.5", "REPLICA_MAX_INFLIGHT": "7", "TTFT_TIMEOUT": "9",
-    "STREAM_IDLE_TIMEOUT": "4", "MAX_INFLIGHT": "16", "DRAIN_TIMEOUT": "0",
+    "STREAM_IDLE_TIMEOUT": "4", "MAX_INFLIGHT": "16", "ROLLOUT_MAX_INFLIGHT": "2",
+    "ROLLOUT_MAX_RPS": "0.5", "ROLLOUT_MAX_STORED_MB": "2.5", "DRAIN_TIMEOUT": "0",
     "IDLE_TIMEOUT": "3", "BODY_TIMEOUT": "6", "DB_POOL_SIZE": "4",
 }
 FROM_ENVIRONMENT = {
@@ -167,7 +182,9 @@ FROM_ENVIRONMENT = {
                                   train_abandoned=True, train_aborted=True),
     "eject_after": 5, "probe_interval_s": 0.5, "replica_max_inflight": 7,
     "ttft_timeout_s": 9.0, "stream_idle_timeout_s": 4.0, "max_inflight": 16,
-    "drain_timeout_s": 0.0, "idle_timeout_s": 3.0, "body_timeout_s": 6.0, "db_pool_size": 4,
+    "rollout_max_inflight": 2, "rollout_max_rps": 0.5, "rollout_max_stored_mb": 2.5,
+    "drain_timeout_s": 0.0,
+    "idle_timeout_s": 3.0, "body_timeout_s": 6.0, "db_pool_size": 4,
     "db_acquire_timeout_s": 1.0, "db_command_timeout_s": 2.0, "max_pending_records": 8,
     "recent_calls_mib": 0,
 }

@@ -4,7 +4,7 @@ says why it trained nothing (pure)."""
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.merge import EXCLUSION_CAUSES
+from gateway.merge.values import EXCLUSION_CAUSES
 from gateway.store.ledger import CAUSES, FLAGS, account, merge_reason, nothing_trained
 
 

@@ -8,19 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.merge import (
-    CAUSES,
-    EXCLUSION_CAUSES,
-    SIDE_CALLS,
-    CallTokens,
-    MergeOptions,
-    Packed,
-    Prefixes,
-    TooManyCalls,
-    best_base,
-    common_prefix_len,
-    merge,
-)
+from gateway.merge import TooManyCalls, merge
+from gateway.merge.prefixes import Packed, Prefixes, best_base, common_prefix_len
+from gateway.merge.values import CAUSES, EXCLUSION_CAUSES, SIDE_CALLS, CallTokens, MergeOptions
 
 
 def make_call(cid, seq, prompt, completion, status="ok", tools=True):
@@ -467,7 +457,7 @@ class MatrixPrefixes(Prefixes):
 def test_merge_equals_the_merge_over_the_whole_matrix(calls, options):
     result = merge(calls, options)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr("gateway.merge.Prefixes", MatrixPrefixes)
+        m.setattr("gateway.merge.prefixes.Prefixes", MatrixPrefixes)
         reference = merge(calls, options)
     assert canonical(result) == canonical(reference)
     assert result.abandoned == reference.abandoned

@@ -102,6 +102,31 @@ def test_health_ejects_after_k_consecutive_failures_and_returns_on_success(event
         assert h.ejected == (run >= k)
 
 
+@given(st.lists(st.tuples(st.sampled_from("fs"), st.sampled_from(["probe", "r1", "r2", "r3"])),
+                max_size=60), st.integers(1, 4))
+def test_one_rollout_alone_never_ejects_a_replica(events, k):
+    """Issue #28, attack 10: in a run of failures, each rollout's calls count once and each
+    probe counts; so a replica is ejected only when k sources (probes, or distinct rollouts)
+    failed on it since it last worked."""
+    h = Health(eject_after=k)
+    probes, rollouts = 0, set()
+    for t, (e, source) in enumerate(events):
+        if e == "f":
+            if source == "probe":
+                probes += 1
+            else:
+                rollouts.add(source)
+            h.failure(float(t), "x", None if source == "probe" else source)
+        else:
+            probes, rollouts = 0, set()
+            h.success(float(t))
+        assert h.ejected == (probes + len(rollouts) >= k)
+    one = Health(eject_after=2)
+    for t in range(100):
+        one.failure(float(t), "its own long calls", "the same rollout")
+    assert not one.ejected
+
+
 def test_a_placed_rollout_stays_unless_its_replica_is_unavailable():
     ups = Upstreams(["http://a:1", "http://b:2"], 10)
     rid = uuid.uuid4()

@@ -13,12 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway import engine_ids
-from gateway.continuation import RequestKeys
+from gateway.continuation.keys import RequestKeys
 from gateway.protocols.normalize import normalize_messages
 from gateway.protocols.resumable import Decoder
+from gateway.rollout_memory import RecentCall, RecentCalls
 from gateway.store.tokens import (
-    RecentCall,
-    RecentCalls,
     StoredTokens,
     chain_ids,
     parents_first,
@@ -76,7 +75,7 @@ def ids(n: int) -> np.ndarray:
 
 
 def kept_bytes(recent: RecentCalls) -> int:
-    return sum(c.nbytes for r in list(recent._calls) for c in recent.entries(r))
+    return sum(c.nbytes for r in recent.rollouts() for c in recent.entries(r))
 
 
 @settings(max_examples=200, deadline=None)
@@ -96,7 +95,7 @@ def test_never_above_the_bound_and_counts_what_it_keeps(max_bytes, calls):
         else:
             recent.add(rollout, n, ids(size), body=body, reply=body[:10])
         assert recent.nbytes == kept_bytes(recent) <= max_bytes
-        for r in list(recent._calls):
+        for r in recent.rollouts():
             entries = recent.entries(r)
             assert len(entries) <= 3
             assert all(c.body is None and not c.reply for c in entries[:-2])

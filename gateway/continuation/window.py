@@ -1,7 +1,7 @@
 """Renders for a continuation whose size follows the new messages, not the conversation.
 
 An exact continuation needs only the template's rendering of what follows the continued reply
-(`render.Around`). Rendering the whole conversation twice for it costs, at 32k tokens, about a
+(`Around`). Rendering the whole conversation twice for it costs, at 32k tokens, about a
 megabyte on the wire and a parse per call. Most chat templates render a message from the
 message itself and its neighbours, so the same tail comes out of a window of the conversation.
 Two windows are tried, smallest first:
@@ -12,7 +12,7 @@ Two windows are tried, smallest first:
   open with a user message, or that place tools or reasoning by the last user query.
 
 That is a property of a template, not a guarantee, so it is checked where it is used
-(`render.Crosscheck`), per request context and per shape of what the window renders (the roles
+(`rendering.Crosscheck`), per request context and per shape of what the window renders (the roles
 from the reply on: a template may treat a user message after tool results differently from
 another tool result). The first continuation of a shape is rendered whole and in each window,
 and a window is used only where it agreed; one in 32 of its later uses is rendered whole again
@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from gateway.continuation import context_key
-from gateway.render import (
-    Around,
-    CheckedRenderer,
-    Crosscheck,
-    Encoded,
-    EngineRenderer,
-    RenderError,
-)
+from gateway.continuation.keys import context_key
+from gateway.continuation.rendering import Around, Crosscheck, Encoded, RenderError
+
+if TYPE_CHECKING:
+    from gateway.continuation.checked_render import CheckedRenderer
+    from gateway.continuation.engine_render import EngineRenderer
 
 _FRAME_ROLES = ("system", "developer")
 WINDOWS = ("reply", "frame")

@@ -1,4 +1,4 @@
-"""The continuation step of a call (see gateway/continuation.py for what and why): find the
+"""The continuation step of a call (see the package docstring for what and why): find the
 call a request continues, render, splice; and remember each call's reply for the calls after it.
 
 Parents are found in an in-memory index of reply keys per rollout; the database answers what the
@@ -13,19 +13,24 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 from uuid import UUID
 
 import asyncpg
 import msgspec
 import numpy as np
 
-from gateway import continuation as cont
 from gateway import engine_ids
-from gateway.continuation import ContinuationRecord, RequestKeys
-from gateway.render import RenderError, render_body
-from gateway.render_window import WindowedRenderer
+from gateway.continuation import splice as cont
+from gateway.continuation.keys import RequestKeys
+from gateway.continuation.rendering import RenderError, render_body
+from gateway.continuation.splice import ContinuationRecord
 from gateway.store import calls as calls_store
-from gateway.store.tokens import RecentCalls
+
+if TYPE_CHECKING:
+    from gateway.continuation.window import WindowedRenderer
+    from gateway.rollout_memory import RolloutMemory
+    from gateway.stage_cpu import Clock
 
 log = logging.getLogger(__name__)
 
@@ -116,78 +121,31 @@ class Turn:
         return [*recent, (self.parent_id, self.parent_full)]
 
 
-class _Replies:
-    __slots__ = ("calls", "missing")
-
-    def __init__(self) -> None:
-        self.calls: dict[bytes, UUID] = {}  # reply key -> call id, oldest first
-        # Keys the database did not know either: a harness that sends the same unknown turn
-        # again (a rewritten history) costs one query, not one per call.
-        self.missing: dict[bytes, None] = {}
-
-
-class ReplyIndex:
-    """Reply key -> call id, per running rollout; bounded, newest rollouts kept. A miss costs a
-    database query or an exact continuation, never correctness."""
-
-    def __init__(self, per_rollout: int = 4096, rollouts: int = 4096) -> None:
-        self._per_rollout = per_rollout
-        self._rollouts = rollouts
-        self._index: OrderedDict[UUID, _Replies] = OrderedDict()
-
-    def get(self, rollout_id: UUID) -> _Replies:
-        replies = self._index.get(rollout_id)
-        if replies is None:
-            replies = self._index[rollout_id] = _Replies()
-            while len(self._index) > self._rollouts:
-                self._index.popitem(last=False)
-        self._index.move_to_end(rollout_id)
-        return replies
-
-    def add(self, rollout_id: UUID, call_id: UUID, reply_keys: list[bytes]) -> None:
-        replies = self.get(rollout_id)
-        for key in reply_keys:
-            replies.calls.pop(key, None)  # re-inserted as newest
-            replies.calls[key] = call_id
-            replies.missing.pop(key, None)
-        _trim(replies.calls, self._per_rollout)
-
-    def add_missing(self, rollout_id: UUID, keys: list[bytes]) -> None:
-        replies = self.get(rollout_id)
-        replies.missing.update(dict.fromkeys(k for k in keys if k not in replies.calls))
-        _trim(replies.missing, self._per_rollout)
-
-
-def _trim(d: dict, limit: int) -> None:
-    while len(d) > limit:
-        del d[next(iter(d))]
-
-
 class Continuer:
     def __init__(
         self,
         mode: str,
         pool: asyncpg.Pool,
-        recent: RecentCalls,
+        memory: RolloutMemory,
         renderer: WindowedRenderer,
     ) -> None:
         self.mode = mode
         self._pool = pool
-        self._recent = recent
+        self._recent = memory.recent
+        self._index = memory.replies
         self._renderer = renderer
-        self._index = ReplyIndex()
         # (upstream, context key) -> the template's assistant turn end; bounded by the number of
         # distinct tool sets and models, small in practice.
         self._suffixes: OrderedDict[tuple[str, bytes], tuple[int, ...]] = OrderedDict()
 
-    async def prepare(self, rollout_id: UUID, upstream: str, body: dict) -> Turn:
+    async def prepare(self, rollout_id: UUID, upstream: str, body: dict, clock: Clock) -> Turn:
         """Decides how the engine gets this request's prompt; a render that fails means a plain
-        render, not a failed request."""
+        render, not a failed request. `clock` is paused over what waits (database, renders)."""
         earlier = self._recent.entries(rollout_id) or ()
         keys = RequestKeys(body, (c.keys for c in earlier if c.keys is not None))
         if not keys.keys:
             return Turn(keys, ContinuationRecord(path="render", reason=cont.FIRST_TURN))
-        found = await self._find(rollout_id, keys)
+        found = await self._find(rollout_id, keys, clock)
         if found is None:
             return Turn(keys, ContinuationRecord(path="render", reason=cont.NO_PARENT))
         i, parent_id = found
@@ -204,7 +162,7 @@ class Continuer:
             return plain("fallback", cont.MEDIA)
         if body.get("echo"):
             return plain("fallback", cont.ECHO)
-        parent_full, parent_pieces = await self._parent_ids(rollout_id, parent_id)
+        parent_full, parent_pieces = await self._parent_ids(rollout_id, parent_id, clock)
         if parent_full is None or not parent_full.size:
             return plain("fallback", cont.PARENT_TOKENS)
         started = time.perf_counter()
@@ -214,11 +172,11 @@ class Continuer:
         suffix = self._suffixes.get((upstream, keys.context))
         try:
             if suffix is None:  # probed once per context, beside this call's renders
-                suffix, around = await asyncio.gather(
-                    self._suffix(upstream, body, keys.context), around
+                suffix, around = await clock.wait(
+                    "plan", asyncio.gather(self._suffix(upstream, body, keys.context), around)
                 )
             else:  # at hand: a gather would cost two tasks, tens of µs a call
-                around = await around
+                around = await clock.wait("plan", around)
         except RenderError as exc:
             log.warning("continuation render failed, rendering plainly: %s", exc)
             return plain("fallback", cont.RENDER_FAILED)
@@ -250,16 +208,17 @@ class Continuer:
             pieces,
         )
 
-    def remember(self, rollout_id: UUID, call_id: UUID, reply_keys: list[bytes]) -> None:
-        self._index.add(rollout_id, call_id, reply_keys)
-
-    async def _find(self, rollout_id: UUID, keys: RequestKeys) -> tuple[int, UUID] | None:
+    async def _find(
+        self, rollout_id: UUID, keys: RequestKeys, clock: Clock
+    ) -> tuple[int, UUID] | None:
         replies = self._index.get(rollout_id)
         i = keys.longest(replies.calls)
         unknown = [k for k in keys.keys[i + 1 :] if k not in replies.missing]
         if unknown:
             async with self._pool.acquire() as conn:
-                rows = await calls_store.find_replies(conn, rollout_id, unknown)
+                rows = await clock.wait(
+                    "plan", calls_store.find_replies(conn, rollout_id, unknown)
+                )
             for call_id, reply_keys in rows:  # oldest first: the newest call wins a shared key
                 self._index.add(rollout_id, call_id, reply_keys)
             self._index.add_missing(rollout_id, unknown)
@@ -267,14 +226,14 @@ class Continuer:
         return None if i < 0 else (i, replies.calls[keys.keys[i]])
 
     async def _parent_ids(
-        self, rollout_id: UUID, call_id: UUID
+        self, rollout_id: UUID, call_id: UUID, clock: Clock
     ) -> tuple[np.ndarray | None, engine_ids.Pieces | None]:
         """The parent's prompt + sampled ids, and their JSON if it is at hand."""
         recent = self._recent.find(rollout_id, call_id)
         if recent is not None:
             return recent.full, recent.full_json
         async with self._pool.acquire() as conn:
-            return await calls_store.full_ids(conn, rollout_id, call_id), None
+            return await clock.wait("plan", calls_store.full_ids(conn, rollout_id, call_id)), None
 
     async def _suffix(self, upstream: str, body: dict, context: bytes) -> tuple[int, ...]:
         """The template's assistant turn end under this request's context, probed once."""

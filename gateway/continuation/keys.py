@@ -1,42 +1,14 @@
-"""Exact continuation, the pure part: which earlier call a request continues, and the token ids
-that hand the engine exactly what it sampled then, followed by the new messages.
-
-Detection. A request continues call P of its rollout when its messages, after protocol
-translation and normalisation, start with P's request messages followed by the assistant message
-P returned. Messages are compared in a canonical form (`canonical_message`): text content is the
-same whether sent as a string or as text parts, tool-call arguments are compared as parsed JSON,
-tool-call ids (made up by the parser, never sampled) are ignored, and reasoning counts as the
-harness sends it back: a harness may drop it (P stores a key with and one without it) but not
-change it. Request fields that shape the rendered prompt (`CONTEXT_FIELDS`: tools, model,
-template settings) are part of every key, so a request with other tools never continues P.
-
-Keys are rolling hashes: a call stores the hash of (context, its request messages, its reply);
-a request hashes its messages once, front to back, and its key after each assistant message is a
-candidate. The longest stored match is the parent. Storage is a few 16-byte keys per call. The
-hashing resumes where an earlier request of the rollout that the request extends left off, so a
-request costs a pass over its new messages only (and a memcmp over the rest).
-
-Splice. ids = P's prompt + P's sampled ids + the template's end of an assistant turn (its
-end-of-turn token only if P's last sampled token is not already that token, e.g. P stopped at
-`max_tokens`) + the rendering of everything after the assistant message. The latter is taken
-from two renders with the model's chat template (by the engine, or locally where that gives the
-engine's ids, see gateway/render.py): `turn` (the messages up to and including the assistant
-message, no generation prompt) and `full` (the whole request). It is exact only where the
-template preserves prefixes: `full` must start with `turn`, and `turn` must end with the turn
-end the template gives any assistant message (`assistant_suffix`, probed once per replica and
-request context). Otherwise the call falls back to plain rendering, with the reason recorded.
-"""
+"""Request keys: which earlier call's request and reply a request's messages start with, as
+rolling hashes of canonical messages under the request's rendering context (see the package's
+docstring)."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
-import numpy as np
-
-PATHS = ("exact", "render", "fallback")
 
 # Request fields (besides messages) that change how a chat template renders the conversation.
 CONTEXT_FIELDS = (
@@ -49,35 +21,10 @@ CONTEXT_FIELDS = (
     "add_special_tokens",
 )
 
-# Why a call was rendered plainly (path "render") or could not continue exactly ("fallback").
-FIRST_TURN = "first turn"  # no assistant message to continue from
-NO_PARENT = "no parent"  # assistant turns, but none is the reply of a recorded call
-CONFIGURED = "render configured"  # --continuation render
-MEDIA = "media content"  # the engine renders non-text content itself
-ECHO = "echo requested"  # vLLM renders the messages to echo them
-PARENT_TOKENS = "parent tokens unavailable"
-RENDER_FAILED = "render failed"
-TEMPLATE_PROBE = "template turn end unknown"
-REWRITES_HISTORY = "template rewrites history"  # full render does not extend the turn render
-TURN_END = "turn end differs"  # the assistant turn ends unlike the probed template turn end
-IGNORED = "engine ignored prompt ids"  # its echoed prompt is not the splice
-
 _KEY_BYTES = 16
 _encode = msgspec.json.Encoder(order="sorted").encode
 _decode = msgspec.json.decode
 _encode_compact = msgspec.json.encode
-
-
-class ContinuationRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What the gateway did for one call, stored with it."""
-
-    path: str  # exact | render | fallback
-    reason: str | None = None
-    parent: str | None = None  # call id of the continued call
-    messages: int = 0  # request messages covered by the parent's request + reply
-    render_ms: float | None = None  # time spent rendering for the splice
-    rendered_by: str | None = None  # engine | local
-    window: str | None = None  # reply | frame: the part of the conversation rendered, if not all
 
 
 def _texts(content: Any) -> tuple[list, bool]:
@@ -287,58 +234,3 @@ class RequestKeys:
             if self.keys[i] in known:
                 return i
         return -1
-
-
-def assistant_suffix(generation: Sequence[int], empty_turn: Sequence[int]) -> tuple[int, ...]:
-    """The tokens a template puts after an assistant message's content (end-of-turn token and
-    the glue before the next message), from two renders of one user message: with the
-    generation prompt, and followed by an empty assistant message. Empty if they say nothing."""
-    shared = 0
-    for a, b in zip(generation, empty_turn):
-        if a != b:
-            break
-        shared += 1
-    return tuple(empty_turn[shared:])
-
-
-def splice(
-    parent_full: np.ndarray,
-    turn_end: Sequence[int],
-    tail: Sequence[int],
-    suffix: Sequence[int],
-    spare: int = 0,
-) -> tuple[np.ndarray | None, str | None]:
-    """(prompt ids, None) for an exact continuation, or (None, reason) when there is none.
-
-    `parent_full`: the parent's prompt + sampled ids. `turn_end`: the last tokens of the render
-    of the request up to and including the parent's reply; `tail`: the render of the whole
-    request past that point (see render.Around). `suffix`: the template's assistant turn end.
-    `spare`: ids of room left after the prompt in its array (`ids.base`), where the call's own
-    sampled ids can follow it without copying the prompt again (see `Turn.full`)."""
-    n = len(suffix)
-    if not n:
-        return None, TEMPLATE_PROBE
-    if len(turn_end) < n or tuple(turn_end[-n:]) != tuple(suffix):
-        return None, TURN_END
-    glue = suffix[1:] if parent_full.size and parent_full[-1] == suffix[0] else suffix
-    # int32, as the capture keeps prompt ids: a wider array would be copied again there.
-    at, end = parent_full.size, parent_full.size + len(glue)
-    room = np.empty(end + len(tail) + spare, dtype=np.int32)
-    room[:at] = parent_full
-    room[at:end] = glue
-    room[end : end + len(tail)] = tail
-    return room[: end + len(tail)], None
-
-
-def counts(records: Iterable[dict | None]) -> dict:
-    """Per path and per reason, over the calls' stored continuation records."""
-    paths = dict.fromkeys(PATHS, 0)
-    reasons: dict[str, int] = {}
-    for rec in records:
-        if not rec:
-            continue
-        paths[rec["path"]] = paths.get(rec["path"], 0) + 1
-        if rec.get("reason"):
-            key = f"{rec['path']}: {rec['reason']}"
-            reasons[key] = reasons.get(key, 0) + 1
-    return {**paths, "reasons": dict(sorted(reasons.items()))}

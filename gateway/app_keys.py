@@ -1,0 +1,35 @@
+"""What the gateway's routes read from the application, one typed key per component (aiohttp's
+`web.AppKey`); `gateway.runtime` builds the components and sets them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import asyncpg
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from gateway.admission import Admission
+    from gateway.auth import RolloutKeys
+    from gateway.config import GatewayConfig
+    from gateway.health import DatabaseCheck
+    from gateway.metrics import Metrics
+    from gateway.pipeline import Pipeline
+    from gateway.policy_version import PolicyVersion
+    from gateway.recording import Recorder
+    from gateway.rollout_memory import RolloutMemory
+    from gateway.served_models import ServedModels
+    from gateway.upstream import Upstreams
+
+CONFIG: web.AppKey[GatewayConfig] = web.AppKey("config")
+POOL = web.AppKey("pool", asyncpg.Pool)
+UPSTREAMS: web.AppKey[Upstreams] = web.AppKey("upstreams")
+ROLLOUT_KEYS: web.AppKey[RolloutKeys] = web.AppKey("rollout_keys")
+MEMORY: web.AppKey[RolloutMemory] = web.AppKey("memory")
+POLICY: web.AppKey[PolicyVersion] = web.AppKey("policy")
+MODELS: web.AppKey[ServedModels] = web.AppKey("models")
+METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
+RECORDER: web.AppKey[Recorder] = web.AppKey("recorder")
+ADMISSION: web.AppKey[Admission] = web.AppKey("admission")
+DATABASE_CHECK: web.AppKey[DatabaseCheck] = web.AppKey("database_check")
+PIPELINE: web.AppKey[Pipeline] = web.AppKey("pipeline")
