@@ -23,22 +23,6 @@ PACKAGES = ("gateway", "trainer_bridge", "sandbox", "tests")
 MAX_DEPTH = 7
 MAX_LINES = 500
 
-# (importing module, private name used): to be emptied once the gateway's redesign is merged.
-PRIVATE_IMPORTS_ALLOWED_IN_GATEWAY = {
-    ("gateway.admin_upstreams", "gateway.admin._decode"),
-    ("gateway.admin_upstreams", "gateway.admin._json"),
-    ("gateway.admin_upstreams", "gateway.admin._services"),
-    ("gateway.viewer.vocab", "gateway.render._bytes_to_unicode"),
-}
-# Gateway modules over MAX_LINES today: to be emptied once the gateway's redesign is merged.
-LONG_GATEWAY_MODULES_ALLOWED = {
-    "gateway/merge.py",
-    "gateway/protocols/anthropic.py",
-    "gateway/protocols/responses.py",
-    "gateway/relay.py",
-    "gateway/render.py",
-}
-
 
 # -- private names --------------------------------------------------------------------------
 
@@ -133,12 +117,8 @@ def private_names_used_across_modules() -> dict[tuple[str, str], str]:
 
 def test_no_private_name_is_used_across_modules():
     found = private_names_used_across_modules()
-    offenders = {key: where for key, where in found.items()
-                 if key not in PRIVATE_IMPORTS_ALLOWED_IN_GATEWAY}
-    assert not offenders, "private names used by another module (make them public, or test " \
-        "through a public seam):\n" + "\n".join(f"{w}: {n}" for (_, n), w in offenders.items())
-    stale = PRIVATE_IMPORTS_ALLOWED_IN_GATEWAY - set(found)
-    assert not stale, f"no longer offending, remove from the allow-list: {sorted(stale)}"
+    assert not found, "private names used by another module (make them public, or test " \
+        "through a public seam):\n" + "\n".join(f"{w}: {n}" for (_, n), w in found.items())
 
 
 # -- the gateway's import depth ---------------------------------------------------------------
@@ -188,7 +168,6 @@ def gateway_chain() -> list[str]:
     return chain
 
 
-@pytest.mark.xfail(reason="gateway pipeline redesign in progress", strict=False)
 def test_the_gateways_imports_are_at_most_seven_floors_deep(gateway_chain):
     assert len(gateway_chain) <= MAX_DEPTH, " -> ".join(gateway_chain)
 
@@ -200,7 +179,4 @@ def test_no_gateway_module_is_over_500_lines():
     lengths = {str(p.relative_to(REPO)): len(p.read_text().splitlines())
                for p in sorted((REPO / "gateway").rglob("*.py"))}
     long = {path: n for path, n in lengths.items() if n > MAX_LINES}
-    offenders = {path: n for path, n in long.items() if path not in LONG_GATEWAY_MODULES_ALLOWED}
-    assert not offenders, f"gateway modules over {MAX_LINES} lines: {offenders}"
-    stale = LONG_GATEWAY_MODULES_ALLOWED - set(long)
-    assert not stale, f"no longer over {MAX_LINES} lines, remove from the allow-list: {stale}"
+    assert not long, f"gateway modules over {MAX_LINES} lines: {long}"
