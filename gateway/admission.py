@@ -11,8 +11,8 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
+from gateway.path_protocol import protocol_of
 from gateway.protocols.errors import GatewayError
-from gateway.traffic import protocol_of
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ from gateway.app_keys import (
 from gateway.auth import check_admin
 from gateway.engine_exchange import upstream_error
 from gateway.metrics import CONTENT_TYPE_LATEST
+from gateway.path_protocol import protocol_of
 from gateway.pipeline import STREAM_STARTED
 from gateway.protocols import anthropic, chat, completions, responses
 from gateway.protocols.adapter import Adapter
@@ -47,7 +48,7 @@ _HEALTH_DB_TIMEOUT_S = 0.8
 
 def _renderer(path: str):
     """Errors on the Anthropic surface use Anthropic's shape, everything else OpenAI's."""
-    if path.startswith("/v1/messages"):
+    if protocol_of(path) == "anthropic":
         return anthropic.ADAPTER.render_error
     return chat.ADAPTER.render_error
 

@@ -12,21 +12,12 @@ from aiohttp import web
 
 from gateway.app_keys import CONFIG, METRICS
 from gateway.logs import request_id
+from gateway.path_protocol import protocol_of
 from gateway.protocols.errors import GatewayError
 
 REQUEST_ID = "X-Request-Id"
 # A harness's own id is kept if it is a plain token; anything else is replaced.
 _VALID_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
-
-
-def protocol_of(path: str) -> str:
-    if path.startswith("/v1/messages"):
-        return "anthropic"
-    if path.startswith("/v1/"):
-        return "openai"
-    if path.startswith("/admin"):
-        return "admin"
-    return "other"
 
 
 @web.middleware
