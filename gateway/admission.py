@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
+from gateway.app_keys import RETRY_AFTER
 from gateway.path_protocol import protocol_of
 from gateway.protocols.errors import GatewayError
 
@@ -62,13 +63,13 @@ class Admission:
         rate_limit_error, Anthropic's 529 overloaded_error, with Retry-After, so harnesses back
         off and retry. Each `enter` is followed by one `leave`."""
         if self.closing:
-            request["retry_after"] = _RETRY_AFTER_S
+            request[RETRY_AFTER] = _RETRY_AFTER_S
             raise GatewayError(
                 503, "this gateway is shutting down; retry (another gateway will take the call)",
                 "overloaded_error",
             )
         if self.in_flight >= self.limit:
-            request["retry_after"] = _RETRY_AFTER_S
+            request[RETRY_AFTER] = _RETRY_AFTER_S
             message = (f"this gateway is serving its limit of {self.limit} calls at once "
                        f"(--max-inflight); retry after {_RETRY_AFTER_S} s")
             if protocol_of(request.path) == "anthropic":

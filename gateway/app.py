@@ -12,7 +12,6 @@ import msgspec
 from aiohttp import web
 
 from gateway import admin, admin_upstreams, traffic, viewer
-from gateway.access_log import ROLLOUT_KEY
 from gateway.app_keys import (
     ADMISSION,
     CONFIG,
@@ -22,14 +21,15 @@ from gateway.app_keys import (
     POLICY,
     POOL,
     RECORDER,
+    ROLLOUT_ID,
     ROLLOUT_KEYS,
+    STREAM_STARTED,
     UPSTREAMS,
 )
 from gateway.auth import check_admin
 from gateway.engine_exchange import upstream_error
 from gateway.metrics import CONTENT_TYPE_LATEST
 from gateway.path_protocol import protocol_of
-from gateway.pipeline import STREAM_STARTED
 from gateway.protocols import anthropic, chat, completions, responses
 from gateway.protocols.adapter import Adapter
 from gateway.protocols.errors import GatewayError
@@ -125,7 +125,7 @@ def _model_route(proto: Adapter):
         admission.enter(request)
         try:
             rollout_id = await app[ROLLOUT_KEYS].rollout_for(request.headers)
-            request[ROLLOUT_KEY] = rollout_id
+            request[ROLLOUT_ID] = rollout_id
             raw = await traffic.read_body(request, app[CONFIG].body_timeout_s)
             return await app[PIPELINE].serve(request, proto, raw, rollout_id)
         finally:

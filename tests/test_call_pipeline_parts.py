@@ -75,6 +75,7 @@ def test_admission_refuses_past_its_limit_and_while_closing_in_the_callers_terms
     from aiohttp.test_utils import make_mocked_request
 
     from gateway.admission import Admission
+    from gateway.app_keys import RETRY_AFTER
     from gateway.protocols.errors import GatewayError
 
     admission = Admission(limit=1)
@@ -85,7 +86,7 @@ def test_admission_refuses_past_its_limit_and_while_closing_in_the_callers_terms
         request = make_mocked_request("POST", path)
         with pytest.raises(GatewayError) as refused:
             admission.enter(request)
-        assert refused.value.status == status and request["retry_after"] == "1"
+        assert refused.value.status == status and request[RETRY_AFTER] == "1"
     admission.leave()
     admission.closing = True
     with pytest.raises(GatewayError) as refused:
