@@ -53,7 +53,7 @@ class Layout(msgspec.Struct):
     by: Any  # the Decoder that made it: items of one type of body are no other's
     resumed: int = 0
     parent: Layout | None = None
-    derived: Any = None
+    derived: object = None  # each protocol checks it is its own resume cache
 
     def shared_with(self, body: bytes) -> int:
         """How many bytes this body is known to share with the start of `body`: those of the
@@ -61,7 +61,7 @@ class Layout(msgspec.Struct):
         parent = self.parent
         return self.ends[self.resumed - 1] if parent is not None and body is parent.raw else 0
 
-    def derived_from(self) -> Any:
+    def derived_from(self) -> object:
         """The parent's `derived`, whose first `resumed` items are this body's: None if the
         body was decoded whole."""
         return None if self.parent is None else self.parent.derived

@@ -25,7 +25,8 @@ def opens_turn(messages: list[Message], index: int) -> bool:
 
 class TurnLog:
     """The chat messages of a body's turns so far (its system prompt apart), with where each
-    turn ends. Built per request, taking up an earlier body's; read-only once on a layout."""
+    turn ends. Built per request, taking up an earlier body's, and extended turn by turn by
+    the translation (one append to each list a turn); read-only once on a layout."""
 
     __slots__ = ("out", "ends", "sizes", "open_ids")
 
@@ -67,10 +68,3 @@ class TurnLog:
     def open_tool_ids(self) -> set[str]:
         """The tool_use ids the next turn may answer."""
         return self.open_ids[-1] if self.open_ids else set()
-
-    def add(self, end: int, messages: list[dict[str, Any]], open_tool_ids: set[str]) -> None:
-        """One more turn: its chat messages, ending before message `end`."""
-        self.out.extend(messages)
-        self.ends.append(end)
-        self.sizes.append(len(self.out))
-        self.open_ids.append(open_tool_ids)

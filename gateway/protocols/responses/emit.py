@@ -4,6 +4,7 @@ events, both a mapping of the engine's output segments (see segments.py)."""
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
 import msgspec
 
@@ -128,7 +129,7 @@ def _final_response(ctx: Context, acc: Accumulator) -> dict:
     return _response(ctx, status, output, _usage(acc.usage), incomplete)
 
 
-def from_upstream(resp: dict, ctx: Context) -> bytes:
+def from_upstream(resp: dict[str, Any], ctx: Context) -> bytes:
     acc = Accumulator()
     acc.feed(resp)
     return _encode(_final_response(ctx, acc))

@@ -321,7 +321,9 @@ def input_items(body: Body) -> list[Item]:
     return body.input
 
 
-def to_upstream(req: Request, previous_items: list | None = None) -> tuple[dict, Context]:
+def to_upstream(
+    req: Request, previous_items: list[Any] | None = None
+) -> tuple[dict[str, Any], Context]:
     """`previous_items`: the stored conversation of `previous_response_id` (see
     `conversation_items`); the core resolves the id and passes None when there is none."""
     body = req.body
