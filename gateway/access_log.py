@@ -8,10 +8,9 @@ import logging
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web import BaseRequest, StreamResponse
 
-LOGGER = logging.getLogger("rolltap.access")
+from gateway.app_keys import ROLLOUT_ID
 
-# Handlers that learn the rollout (from its key or the URL) leave its id here for the log line.
-ROLLOUT_KEY = "rolltap_rollout_id"
+LOGGER = logging.getLogger("rolltap.access")
 
 
 def line(request: BaseRequest, response: StreamResponse, seconds: float) -> str:
@@ -20,7 +19,7 @@ def line(request: BaseRequest, response: StreamResponse, seconds: float) -> str:
     info = getattr(request, "match_info", None)
     resource = info.route.resource if info is not None else None
     route = resource.canonical if resource is not None else request.path
-    rollout = request.get(ROLLOUT_KEY) or (info or {}).get("rollout_id") or "-"
+    rollout = request.get(ROLLOUT_ID) or (info or {}).get("rollout_id") or "-"
     request_id = (
         response.headers.get("X-Request-Id") or request.headers.get("X-Request-Id") or "-"
     )

@@ -20,9 +20,10 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
+from gateway.app_keys import RETRY_AFTER
+from gateway.path_protocol import protocol_of
 from gateway.protocols.errors import GatewayError
 from gateway.ratelimit import TokenBuckets
-from gateway.traffic import protocol_of
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class RunningCall:
 def _busy(request: web.Request, message: str, retry_after: float) -> GatewayError:
     """A refusal a harness backs off from and retries: OpenAI's 429 rate_limit_error,
     Anthropic's 529 overloaded_error, with Retry-After."""
-    request["retry_after"] = str(max(1, math.ceil(retry_after)))
+    request[RETRY_AFTER] = str(max(1, math.ceil(retry_after)))
     if protocol_of(request.path) == "anthropic":
         return GatewayError(529, message, "overloaded_error")
     return GatewayError(429, message, "rate_limit_error", code="rate_limit_exceeded")
@@ -82,7 +83,7 @@ class Admission:
 
     def _refuse_if_closing(self, request: web.Request) -> None:
         if self.closing:
-            request["retry_after"] = _RETRY_AFTER_S
+            request[RETRY_AFTER] = _RETRY_AFTER_S
             raise GatewayError(
                 503, "this gateway is shutting down; retry (another gateway will take the call)",
                 "overloaded_error",

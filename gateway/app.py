@@ -10,7 +10,6 @@ import msgspec
 from aiohttp import web
 
 from gateway import admin, admin_upstreams, health, traffic, viewer
-from gateway.access_log import ROLLOUT_KEY
 from gateway.app_keys import (
     ADMISSION,
     CONFIG,
@@ -21,13 +20,15 @@ from gateway.app_keys import (
     POLICY,
     POOL,
     RECORDER,
+    ROLLOUT_ID,
     ROLLOUT_KEYS,
+    STREAM_STARTED,
     UPSTREAMS,
 )
 from gateway.auth import check_admin
 from gateway.engine_exchange import upstream_error
 from gateway.metrics import CONTENT_TYPE_LATEST
-from gateway.pipeline import STREAM_STARTED
+from gateway.path_protocol import protocol_of
 from gateway.protocols import anthropic, chat, completions, responses
 from gateway.protocols.adapter import Adapter
 from gateway.protocols.errors import GatewayError
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 def _renderer(path: str):
     """Errors on the Anthropic surface use Anthropic's shape, everything else OpenAI's."""
-    if path.startswith("/v1/messages"):
+    if protocol_of(path) == "anthropic":
         return anthropic.ADAPTER.render_error
     return chat.ADAPTER.render_error
 
@@ -120,7 +121,7 @@ def _model_route(proto: Adapter):
         app = request.app
         admission = app[ADMISSION]
         rollout_id = await app[ROLLOUT_KEYS].rollout_for(request.headers)
-        request[ROLLOUT_KEY] = rollout_id
+        request[ROLLOUT_ID] = rollout_id
         with admission.rollout_share(request, rollout_id):
             raw = await traffic.read_body(request, app[CONFIG].body_timeout_s)
             with admission.gateway_slot(request):
@@ -135,7 +136,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     app = request.app
     admission = app[ADMISSION]
     rollout_id = await app[ROLLOUT_KEYS].rollout_for(request.headers)
-    request[ROLLOUT_KEY] = rollout_id
+    request[ROLLOUT_ID] = rollout_id
     with admission.rollout_share(request, rollout_id):
         raw = await traffic.read_body(request, app[CONFIG].body_timeout_s)
         with admission.gateway_slot(request):

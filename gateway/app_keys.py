@@ -1,8 +1,10 @@
 """What the gateway's routes read from the application, one typed key per component (aiohttp's
-`web.AppKey`); `gateway.runtime` builds the components and sets them."""
+`web.AppKey`; `gateway.runtime` builds the components and sets them), and what one request
+carries from a middleware or handler to the next (`web.RequestKey`)."""
 
 from __future__ import annotations
 
+import uuid
 from typing import TYPE_CHECKING
 
 import asyncpg
@@ -33,3 +35,12 @@ RECORDER: web.AppKey[Recorder] = web.AppKey("recorder")
 ADMISSION: web.AppKey[Admission] = web.AppKey("admission")
 DATABASE_CHECK: web.AppKey[DatabaseCheck] = web.AppKey("database_check")
 PIPELINE: web.AppKey[Pipeline] = web.AppKey("pipeline")
+
+REQUEST_ID = web.RequestKey("request_id", str)
+# Handlers that learn the rollout (from its key or the URL) leave its id here for the log line.
+ROLLOUT_ID = web.RequestKey("rollout_id", uuid.UUID)
+RETRY_AFTER = web.RequestKey("retry_after", str)  # what a refusal asks the client to wait, s
+CLOSE_CONNECTION = web.RequestKey("close_connection", bool)  # its body may still trickle in
+# Set once a stream's headers are sent: an error after that can only be told as the protocol's
+# error event inside the stream, never as a new HTTP response.
+STREAM_STARTED = web.RequestKey("stream_started", web.StreamResponse)

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from gateway import call_request
 from gateway.admission import RunningCall
+from gateway.app_keys import STREAM_STARTED
 from gateway.call_values import Outcome
 from gateway.engine_exchange import EngineCall, stale_connection, upstream_error
 from gateway.protocols.adapter import CHAT_PATH, Adapter
@@ -39,10 +40,6 @@ if TYPE_CHECKING:
     from gateway.upstream import Upstreams
 
 log = logging.getLogger(__name__)
-
-# Set on a request once its response headers are sent: an error after that can only be told
-# as the protocol's error event inside the stream, never as a new HTTP response.
-STREAM_STARTED = "rolltap.stream_started"
 
 _encode = msgspec.json.encode
 

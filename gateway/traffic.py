@@ -10,39 +10,30 @@ import uuid
 
 from aiohttp import web
 
-from gateway.app_keys import CONFIG, METRICS
+from gateway.app_keys import CLOSE_CONNECTION, CONFIG, METRICS, REQUEST_ID, RETRY_AFTER
 from gateway.logs import request_id
+from gateway.path_protocol import protocol_of
 from gateway.protocols.errors import GatewayError
 
-REQUEST_ID = "X-Request-Id"
+REQUEST_ID_HEADER = "X-Request-Id"
 # A harness's own id is kept if it is a plain token; anything else is replaced.
 _VALID_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
-
-
-def protocol_of(path: str) -> str:
-    if path.startswith("/v1/messages"):
-        return "anthropic"
-    if path.startswith("/v1/"):
-        return "openai"
-    if path.startswith("/admin"):
-        return "admin"
-    return "other"
 
 
 @web.middleware
 async def observe(request: web.Request, handler):
     """Outermost: ids every request and counts it once its response is decided."""
-    rid = request.headers.get(REQUEST_ID, "")
+    rid = request.headers.get(REQUEST_ID_HEADER, "")
     if not _VALID_ID.fullmatch(rid):
         rid = uuid.uuid4().hex
-    request["request_id"] = rid
+    request[REQUEST_ID] = rid
     token = request_id.set(rid)
     started = time.perf_counter()
     status = 500
     try:
         response = await handler(request)
         status = response.status
-        if request.get("close_connection"):
+        if request.get(CLOSE_CONNECTION):
             response.force_close()
         return response
     except web.HTTPException as exc:
@@ -60,10 +51,10 @@ async def observe(request: web.Request, handler):
 async def stamp_headers(request: web.Request, response: web.StreamResponse) -> None:
     """on_response_prepare: the request id on every response, streamed or not, and the
     Retry-After a refusal asked for."""
-    rid = request.get("request_id")
+    rid = request.get(REQUEST_ID)
     if rid:
-        response.headers[REQUEST_ID] = rid
-    retry = request.get("retry_after")
+        response.headers[REQUEST_ID_HEADER] = rid
+    retry = request.get(RETRY_AFTER)
     if retry:
         response.headers["Retry-After"] = retry
 
@@ -78,7 +69,7 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
         async with asyncio.timeout(timeout_s):
             return await _read(request)
     except TimeoutError:
-        request["close_connection"] = True  # the rest of the body may still trickle in
+        request[CLOSE_CONNECTION] = True  # the rest of the body may still trickle in
         raise GatewayError(
             408, f"request body not received within {timeout_s:g} s (--body-timeout)",
             "invalid_request_error", code="request_timeout",

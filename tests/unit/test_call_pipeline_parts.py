@@ -76,6 +76,7 @@ def test_admission_refuses_past_its_limit_and_while_closing_in_the_callers_terms
     from aiohttp.test_utils import make_mocked_request
 
     from gateway.admission import Admission
+    from gateway.app_keys import RETRY_AFTER
     from gateway.protocols.errors import GatewayError
 
     admission = Admission(limit=1, rollout_limit=8, rollout_rate=100)
@@ -86,7 +87,7 @@ def test_admission_refuses_past_its_limit_and_while_closing_in_the_callers_terms
             with pytest.raises(GatewayError) as refused:
                 with admission.gateway_slot(request):
                     pass
-            assert refused.value.status == status and request["retry_after"] == "1"
+            assert refused.value.status == status and request[RETRY_AFTER] == "1"
     admission.closing = True
     for hold in (admission.gateway_slot, lambda r: admission.rollout_share(r, uuid.uuid4())):
         with pytest.raises(GatewayError) as refused:
@@ -131,6 +132,8 @@ def test_a_rollout_starting_calls_too_fast_is_told_when_to_retry():
     from gateway.admission import Admission
     from gateway.protocols.errors import GatewayError
 
+    from gateway.app_keys import RETRY_AFTER
+
     admission = Admission(limit=100, rollout_limit=100, rollout_rate=2)
     fast = uuid.uuid4()
     for _ in range(4):  # the burst: twice the rate
@@ -141,7 +144,7 @@ def test_a_rollout_starting_calls_too_fast_is_told_when_to_retry():
         with admission.rollout_share(request, fast):
             pass
     assert refused.value.status == 429 and "--rollout-max-rps" in refused.value.message
-    assert request["retry_after"] == "1"
+    assert request[RETRY_AFTER] == "1"
     with admission.rollout_share(make_mocked_request("POST", "/v1/chat/completions"),
                                  uuid.uuid4()):
         pass  # another rollout is not slowed
