@@ -196,16 +196,8 @@ class Pipeline:
                         continue  # once more, on a new connection
                     if _replica_fault(err.__cause__):
                         upstreams.failed(upstream, err.message, call.rollout_id)
-                    if attempt == 0 and isinstance(err.__cause__, aiohttp.ClientConnectorError):
-                        # Nothing reached the engine, so another replica can take the call as is.
-                        try:
-                            engine.upstream, engine.rerouted = upstreams.route(
-                                call.rollout_id, upstream, avoid=upstream
-                            )
-                        except GatewayError:
-                            pass
-                        else:
-                            continue
+                    if attempt == 0 and self._rerouted(err, call, engine):
+                        continue
                     await self._record(call, translated, engine, "failed", err.message)
                     raise
                 async with resp:
@@ -230,6 +222,19 @@ class Pipeline:
             finally:
                 upstreams.end(upstream, on_eject)
         raise AssertionError("unreachable")
+
+    def _rerouted(self, err: GatewayError, call: RunningCall, engine: EngineCall) -> bool:
+        """Whether a call whose replica refused the connection now goes to another one: the
+        engine took nothing, so another replica can take the call as is."""
+        if not isinstance(err.__cause__, aiohttp.ClientConnectorError):
+            return False
+        try:
+            engine.upstream, engine.rerouted = self._upstreams.route(
+                call.rollout_id, engine.upstream, avoid=engine.upstream
+            )
+        except GatewayError:
+            return False
+        return True
 
     async def _whole(
         self, proto, translated, call: RunningCall, engine: EngineCall, resp, version_at_start: int,
@@ -264,7 +269,6 @@ class Pipeline:
     async def _streamed(
         self, request, proto, translated, call: RunningCall, engine: EngineCall, resp, clock: Clock
     ) -> web.StreamResponse:
-        upstreams = self._upstreams
         out = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -278,52 +282,9 @@ class Pipeline:
         if transport is not None:
             transport.set_write_buffer_limits(high=2 * _UNSENT_LIMIT)
         stream = proto.stream(translated.ctx)
-        cap = engine.capture
-        failure: GatewayError | None = None
         status = "failed"  # if it fails
-        cfg = self._config
-        batches = sse_batches(resp, cfg.ttft_timeout_s, cfg.stream_idle_timeout_s)
         try:
-            done = False
-            while True:
-                try:
-                    batch = await clock.wait("stream", anext(batches))
-                except StopAsyncIteration:
-                    break
-                pieces = []
-                for data in batch:
-                    if data == b"[DONE]":
-                        done = True
-                        break
-                    chunk = engine.chunk(data)
-                    if "error" in chunk and not chunk.get("choices"):
-                        e = chunk["error"]
-                        failure = upstream_error(e.get("code") or 500, _encode(chunk))
-                        break
-                    first_token = engine.captured(chunk, self._policy.value)
-                    try:
-                        pieces.append(stream.feed(chunk))
-                    except GatewayError as err:  # the protocol cannot express what the engine sent
-                        failure = err
-                        break
-                    if first_token:
-                        # The first token leaves at once, not after the rest of its read is
-                        # translated: an engine that is ahead sends many chunks in one read.
-                        first = b"".join(pieces)
-                        pieces.clear()
-                        if first:
-                            await clock.wait("stream", out.write(first))
-                joined = b"".join(pieces)
-                if joined:  # an empty write could read as the end of a chunked body
-                    await clock.wait("stream", out.write(joined))
-                if failure is None and transport is not None and (
-                    transport.get_write_buffer_size() > _UNSENT_LIMIT
-                ):
-                    failure = GatewayError(
-                        408, f"the client read too slowly: over {_UNSENT_LIMIT >> 20} MiB of "
-                        "the response waited for it", "api_error")
-                if done or failure is not None:
-                    break
+            failure = await self._pump(engine, resp, stream, out, transport, clock)
         except asyncio.CancelledError:
             if call.aborted is None:  # the client went away
                 resp.close()  # closing the upstream response aborts the engine's request
@@ -337,54 +298,105 @@ class Pipeline:
             raise
         except StreamStalled as exc:
             failure = GatewayError(504, f"upstream {engine.upstream}: {exc}", "upstream_error")
-            upstreams.failed(engine.upstream, str(exc), call.rollout_id)
+            self._upstreams.failed(engine.upstream, str(exc), call.rollout_id)
         except (TimeoutError, aiohttp.ClientError) as exc:
             failure = GatewayError(
                 502, f"upstream stream broke: {exc or type(exc).__name__}", "upstream_error"
             )
             if _replica_fault(exc):
-                upstreams.failed(engine.upstream, failure.message, call.rollout_id)
-        finally:
-            await batches.aclose()  # stops its timer now, not when the generator is collected
-        if failure is None and cap.finish_reason in ("abort", "error"):
-            failure = GatewayError(
-                502, f"engine ended the response with {cap.finish_reason!r}", "upstream_error"
-            )
-        if failure is not None:
+                self._upstreams.failed(engine.upstream, failure.message, call.rollout_id)
+        failure = failure or _unusable(engine.capture)
+        if failure is None:
+            self._upstreams.succeeded(engine.upstream)
+        else:
             resp.close()  # stop the engine if it is still generating
         state_source = None
         if failure is None and translated.stored_state is not None:
             state_source = stream.response()
-        if failure is None:
-            problem = cap.check()
-            if problem is not None:
-                failure = GatewayError(
-                    502, f"engine response unusable for training: {problem}", "upstream_error"
-                )
-        if failure is None:
-            upstreams.succeeded(engine.upstream)
         clock.lap("respond")
+        failure = await self._record_stream(call, translated, engine, status, failure,
+                                            state_source, clock)  # fmt: skip
+        await _end_stream(out, stream, failure, clock)
+        if transport is not None and not transport.is_closing():
+            transport.set_write_buffer_limits()  # the connection's next request: as before
+        return out
+
+    async def _pump(self, engine: EngineCall, resp, stream, out, transport, clock: Clock
+                    ) -> GatewayError | None:
+        """Engine chunks to the client until the engine's end; the failure that stopped it, if
+        any (the engine's error event, a chunk the protocol cannot express, a client that
+        leaves too much unread)."""
+        cfg = self._config
+        batches = sse_batches(resp, cfg.ttft_timeout_s, cfg.stream_idle_timeout_s)
+        try:
+            while True:
+                try:
+                    batch = await clock.wait("stream", anext(batches))
+                except StopAsyncIteration:
+                    return None
+                done, failure = await self._relay_batch(batch, engine, stream, out, clock)
+                if failure is None and transport is not None and (
+                    transport.get_write_buffer_size() > _UNSENT_LIMIT
+                ):
+                    failure = GatewayError(
+                        408, f"the client read too slowly: over {_UNSENT_LIMIT >> 20} MiB of "
+                        "the response waited for it", "api_error")
+                if done or failure is not None:
+                    return failure
+        finally:
+            await batches.aclose()  # stops its timer now, not when the generator is collected
+
+    async def _relay_batch(self, batch: list[bytes], engine: EngineCall, stream, out,
+                           clock: Clock) -> tuple[bool, GatewayError | None]:
+        """One read's chunks captured (stamped with the version live now) and written to the
+        client; (the engine's end was among them, the failure that stopped them)."""
+        pieces: list[bytes] = []
+        done, failure = False, None
+        for data in batch:
+            if data == b"[DONE]":
+                done = True
+                break
+            chunk = engine.chunk(data)
+            if "error" in chunk and not chunk.get("choices"):
+                e = chunk["error"]
+                failure = upstream_error(e.get("code") or 500, _encode(chunk))
+                break
+            first_token = engine.captured(chunk, self._policy.value)
+            try:
+                pieces.append(stream.feed(chunk))
+            except GatewayError as err:  # the protocol cannot express what the engine sent
+                failure = err
+                break
+            if first_token:
+                # The first token leaves at once, not after the rest of its read is
+                # translated: an engine that is ahead sends many chunks in one read.
+                first = b"".join(pieces)
+                pieces.clear()
+                if first:
+                    await clock.wait("stream", out.write(first))
+        joined = b"".join(pieces)
+        if joined:  # an empty write could read as the end of a chunked body
+            await clock.wait("stream", out.write(joined))
+        return done, failure
+
+    async def _record_stream(self, call: RunningCall, translated, engine: EngineCall,
+                             status: str, failure: GatewayError | None, state_source,
+                             clock: Clock) -> GatewayError | None:
+        """Records the streamed call; the failure its client is to be told of (a call that
+        could not be recorded must not end as a success)."""
         try:
             await self._record(
                 call, translated, engine, "ok" if failure is None else status,
                 None if failure is None else failure.message, state_source, clock,
             )  # fmt: skip
-        except GatewayError as err:  # not recorded: the stream must not end as a success
-            failure = err
+        except GatewayError as err:
+            return err
         except Exception:  # noqa: BLE001 - a bug, but still never an end that looks like success
             log.exception("call %s not recorded", call.id)
-            failure = GatewayError(
+            return GatewayError(
                 500, "the call could not be recorded; see the gateway log", "api_error"
             )
-        try:
-            end = stream.close() if failure is None else stream.fail(failure)
-            await clock.wait("respond", out.write(end))
-            await out.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            pass  # recorded already; the client left after the last token
-        if transport is not None and not transport.is_closing():
-            transport.set_write_buffer_limits()  # the connection's next request: as before
-        return out
+        return failure
 
     async def _record_abandoned(self, call: RunningCall, translated, engine: EngineCall) -> None:
         """Records a call whose client went away; nobody is left to tell if that fails."""
@@ -392,3 +404,28 @@ class Pipeline:
             await self._record(call, translated, engine, "aborted", "client disconnected")
         except GatewayError as err:
             log.warning("aborted call %s not recorded: %s", call.id, err.message)
+
+
+def _unusable(cap) -> GatewayError | None:
+    """Why a stream that ended without an error cannot be trained on, or None."""
+    if cap.finish_reason in ("abort", "error"):
+        return GatewayError(
+            502, f"engine ended the response with {cap.finish_reason!r}", "upstream_error"
+        )
+    problem = cap.check()
+    if problem is not None:
+        return GatewayError(
+            502, f"engine response unusable for training: {problem}", "upstream_error"
+        )
+    return None
+
+
+async def _end_stream(out: web.StreamResponse, stream, failure: GatewayError | None,
+                      clock: Clock) -> None:
+    """The stream's last event: its end, or the failure in the protocol's terms."""
+    try:
+        end = stream.close() if failure is None else stream.fail(failure)
+        await clock.wait("respond", out.write(end))
+        await out.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        pass  # recorded already; the client left after the last token

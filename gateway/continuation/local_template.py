@@ -50,14 +50,8 @@ def _pattern(pre: dict | None) -> str:
     return steps[0]["pattern"]["Regex"]
 
 
-def encoding_from_tokenizer_json(spec: dict):
-    """A tiktoken encoding equal to a Hugging Face byte-level BPE `tokenizer.json`, the map from
-    its token values to the model's ids, whether text is NFC-normalised first, and the special
-    token strings. Merges become ranks (tiktoken merges the adjacent pair whose bytes rank
-    lowest, which for a BPE vocabulary is the pair merged first); added tokens become special
-    tokens, matched anywhere in the text before the BPE runs, as Hugging Face does."""
-    import tiktoken
-
+def _byte_level_bpe(spec: dict) -> tuple[dict, dict | None]:
+    """The tokenizer's model and normalizer, if tiktoken can reproduce them."""
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("dropout"):
         raise Unsupported(f"tokenizer model {model.get('type')}")
@@ -66,6 +60,25 @@ def encoding_from_tokenizer_json(spec: dict):
     normalizer = spec.get("normalizer")
     if normalizer is not None and normalizer.get("type") != "NFC":
         raise Unsupported(f"normalizer {normalizer.get('type')}")
+    return model, normalizer
+
+
+def _special(added: dict) -> str:
+    """An added token's text, if it is matched as written (as tiktoken's special tokens are)."""
+    if added.get("lstrip") or added.get("rstrip") or added.get("single_word"):
+        raise Unsupported(f"added token {added['content']!r} strips or matches words")
+    return added["content"]
+
+
+def encoding_from_tokenizer_json(spec: dict):
+    """A tiktoken encoding equal to a Hugging Face byte-level BPE `tokenizer.json`, the map from
+    its token values to the model's ids, whether text is NFC-normalised first, and the special
+    token strings. Merges become ranks (tiktoken merges the adjacent pair whose bytes rank
+    lowest, which for a BPE vocabulary is the pair merged first); added tokens become special
+    tokens, matched anywhere in the text before the BPE runs, as Hugging Face does."""
+    import tiktoken
+
+    model, normalizer = _byte_level_bpe(spec)
     pattern = _pattern(spec.get("pre_tokenizer"))
     to_byte = {c: b for b, c in bytes_to_unicode().items()}
 
@@ -100,9 +113,7 @@ def encoding_from_tokenizer_json(spec: dict):
         raise Unsupported("vocabulary entries that no merge produces")
     specials: dict[str, int] = {}
     for added in added_tokens:
-        if added.get("lstrip") or added.get("rstrip") or added.get("single_word"):
-            raise Unsupported(f"added token {added['content']!r} strips or matches words")
-        specials[added["content"]] = len(ids)
+        specials[_special(added)] = len(ids)
         ids.append(added["id"])
     encoding = tiktoken.Encoding(
         "rolltap-local", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
@@ -179,6 +190,21 @@ def _tool_call(call: dict) -> dict:
     }
 
 
+def _texts(content) -> list[str] | None:
+    """A message's content as its texts, or None if it holds anything but text."""
+    parts = [] if content is None else [content] if isinstance(content, str) else content
+    texts = []
+    for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+        elif (isinstance(part, dict) and part.keys() == {"type", "text"}
+              and part["type"] == "text" and isinstance(part["text"], str)):
+            texts.append(part["text"])
+        else:
+            return None
+    return texts
+
+
 def conversation(messages: list[dict], content_format: str) -> list[dict] | None:
     """The messages the way vLLM passes text-only chat messages to a template (`openai`: content
     as text parts; `string`: parts joined by newlines), or None for what this does not cover."""
@@ -187,22 +213,9 @@ def conversation(messages: list[dict], content_format: str) -> list[dict] | None
         role = m.get("role")
         if role not in ("system", "user", "assistant", "tool"):
             return None
-        content = m.get("content")
-        parts = [] if content is None else [content] if isinstance(content, str) else content
-        texts = []
-        for part in parts:
-            if isinstance(part, str):
-                texts.append(part)
-            elif (
-                isinstance(part, dict)
-                and part.keys() == {"type", "text"}
-                and part["type"] == "text"
-            ):
-                if not isinstance(part["text"], str):
-                    return None
-                texts.append(part["text"])
-            else:
-                return None
+        texts = _texts(m.get("content"))
+        if texts is None:
+            return None
         msg: dict = {"role": role}
         if content_format == "openai" and role != "tool":
             msg["content"] = [{"type": "text", "text": t} for t in texts]

@@ -138,6 +138,17 @@ class Continuer:
         # distinct tool sets and models, small in practice.
         self._suffixes: OrderedDict[tuple[str, bytes], tuple[int, ...]] = OrderedDict()
 
+    def _unspliced(self, keys: RequestKeys, body: dict) -> tuple[str, str] | None:
+        """(path, reason) of a continuation the gateway does not splice whatever the parent's
+        tokens: configured so, or a request with media or `echo`; None if it may splice."""
+        if self.mode == "render":
+            return "render", cont.CONFIGURED
+        if keys.media:
+            return "fallback", cont.MEDIA
+        if body.get("echo"):
+            return "fallback", cont.ECHO
+        return None
+
     async def prepare(self, rollout_id: UUID, upstream: str, body: dict, clock: Clock) -> Turn:
         """Decides how the engine gets this request's prompt; a render that fails means a plain
         render, not a failed request. `clock` is paused over what waits (database, renders)."""
@@ -156,12 +167,9 @@ class Continuer:
         def plain(path: str, reason: str, **extra) -> Turn:
             return Turn(keys, msgspec.structs.replace(record, path=path, reason=reason, **extra))
 
-        if self.mode == "render":
-            return plain("render", cont.CONFIGURED)
-        if keys.media:
-            return plain("fallback", cont.MEDIA)
-        if body.get("echo"):
-            return plain("fallback", cont.ECHO)
+        unspliced = self._unspliced(keys, body)
+        if unspliced is not None:
+            return plain(*unspliced)
         parent_full, parent_pieces = await self._parent_ids(rollout_id, parent_id, clock)
         if parent_full is None or not parent_full.size:
             return plain("fallback", cont.PARENT_TOKENS)

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from gateway.protocols.errors import GatewayError
-from gateway.protocols.resumable import Layout
+
+if TYPE_CHECKING:  # the interface names the layout; only the protocols that resume import it
+    from gateway.protocols.resumable import Layout
 
 CHAT_PATH = "/v1/chat/completions"
 

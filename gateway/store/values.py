@@ -18,16 +18,6 @@ def problem(value: Any, path: str = "", depth: int = 0) -> str | None:
     """Why `value` cannot be stored, naming the place (`path.to[3].field`), or None."""
     if depth > MAX_DEPTH:
         return f"{path or 'value'}: nested deeper than {MAX_DEPTH} levels"
-    if isinstance(value, str):
-        return f"{path or 'value'}: contains a NUL character (U+0000)" if "\x00" in value else None
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, int):
-        if not -_INT64 <= value < _INT64:
-            return f"{path or 'value'}: integer out of range (beyond 64 bits)"
-        return None
-    if isinstance(value, float):
-        return None if math.isfinite(value) else f"{path or 'value'}: number is not finite"
     if isinstance(value, dict):
         for key, item in value.items():
             where = f"{path}.{key}" if path else str(key)
@@ -43,6 +33,19 @@ def problem(value: Any, path: str = "", depth: int = 0) -> str | None:
             if found:
                 return found
         return None
+    return _scalar_problem(value, path or "value")
+
+
+def _scalar_problem(value: Any, where: str) -> str | None:
+    if isinstance(value, str):
+        return f"{where}: contains a NUL character (U+0000)" if "\x00" in value else None
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return None if -_INT64 <= value < _INT64 else (
+            f"{where}: integer out of range (beyond 64 bits)")
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{where}: number is not finite"
     return None
 
 

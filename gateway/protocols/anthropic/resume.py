@@ -10,10 +10,12 @@ translate all its turns."""
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.protocols.anthropic.types import Message
-from gateway.protocols.resumable import Layout
+
+if TYPE_CHECKING:  # named in annotations only
+    from gateway.protocols.resumable import Layout
 
 
 def opens_turn(messages: list[Message], index: int) -> bool:

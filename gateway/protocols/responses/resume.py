@@ -9,10 +9,12 @@ request would then convert and translate all its items."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gateway.protocols.responses.types import Item
-from gateway.protocols.resumable import Layout
+
+if TYPE_CHECKING:  # named in annotations only
+    from gateway.protocols.resumable import Layout
 
 
 class ItemLog(NamedTuple):

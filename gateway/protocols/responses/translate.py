@@ -229,6 +229,46 @@ def _with_instructions(instructions: str | None, messages: list[dict]) -> list[d
     return [*system_messages(instructions), *messages]
 
 
+def _with_call(turn: dict | None, item: FunctionCall) -> dict:
+    """The open assistant turn (a new one if none is open) with `item`'s call added."""
+    if turn is None:
+        turn = {"role": "assistant", "content": None}
+    name = item.name if item.namespace is None else item.namespace + _NS_SEP + item.name
+    turn.setdefault("tool_calls", []).append(
+        {"id": item.call_id, "type": "function",
+         "function": {"name": name, "arguments": item.arguments}}
+    )
+    return turn
+
+
+def _with_text(turn: dict | None, out: list[dict], text) -> dict:
+    """The assistant turn `text` belongs to: the open one if it holds only reasoning so far,
+    else a new one (the open one, done, goes to `out`)."""
+    if turn is not None and (turn["content"] is not None or "tool_calls" in turn):
+        out.append(turn)
+        turn = None
+    if turn is None:
+        turn = {"role": "assistant", "content": None}
+    turn["content"] = text
+    return turn
+
+
+def _caller_message(item: Item, where: str, call_ids: set[str]) -> dict:
+    """The chat message of an item from the caller's side: a function call's output (of a
+    call made earlier) or a user, system or developer message."""
+    if isinstance(item, FunctionCallOutput):
+        if item.call_id not in call_ids:
+            raise bad_request(
+                f"'{where}': function_call_output for call_id {item.call_id!r} "
+                "has no earlier function_call with that call_id",
+                param=f"{where}.call_id",
+            )
+        return {"role": "tool", "tool_call_id": item.call_id,
+                "content": _text(item.output, f"{where}.output", None)}
+    role = "system" if item.role == "developer" else item.role
+    return {"role": role, "content": _text(item.content, f"{where}.content", None)}
+
+
 def _chat_messages(
     sources: list[tuple[str, list[Item], int]], out: list[dict], call_ids: set[str]
 ) -> tuple[int, int]:
@@ -244,16 +284,7 @@ def _chat_messages(
         for i in range(start, len(items)):
             item = items[i]
             if isinstance(item, FunctionCall):
-                if turn is None:
-                    turn = {"role": "assistant", "content": None}
-                name = item.name if item.namespace is None else item.namespace + _NS_SEP + item.name
-                turn.setdefault("tool_calls", []).append(
-                    {
-                        "id": item.call_id,
-                        "type": "function",
-                        "function": {"name": name, "arguments": item.arguments},
-                    }
-                )
+                turn = _with_call(turn, item)
                 call_ids.add(item.call_id)
             elif isinstance(item, Reasoning):
                 text = "".join(c.text for c in item.content or ())
@@ -262,34 +293,12 @@ def _chat_messages(
                         out.append(turn)
                     turn = {"role": "assistant", "content": None, "reasoning": text}
             elif isinstance(item, Message) and item.role == "assistant":
-                if turn is not None and (turn["content"] is not None or "tool_calls" in turn):
-                    out.append(turn)
-                    turn = None
-                if turn is None:
-                    turn = {"role": "assistant", "content": None}
-                turn["content"] = _text(item.content, f"{src}[{i}].content", "")
+                turn = _with_text(turn, out, _text(item.content, f"{src}[{i}].content", ""))
             else:
                 if turn is not None:
                     out.append(turn)
                     turn = None
-                if isinstance(item, FunctionCallOutput):
-                    if item.call_id not in call_ids:
-                        raise bad_request(
-                            f"'{src}[{i}]': function_call_output for call_id {item.call_id!r} "
-                            "has no earlier function_call with that call_id",
-                            param=f"{src}[{i}].call_id",
-                        )
-                    out.append(
-                        {
-                            "role": "tool",
-                            "tool_call_id": item.call_id,
-                            "content": _text(item.output, f"{src}[{i}].output", None),
-                        }
-                    )
-                else:
-                    role = "system" if item.role == "developer" else item.role
-                    content = _text(item.content, f"{src}[{i}].content", None)
-                    out.append({"role": role, "content": content})
+                out.append(_caller_message(item, f"{src}[{i}]", call_ids))
             if turn is None:
                 done, size = i + 1, len(out)
     if turn is not None:
