@@ -130,9 +130,8 @@ def test_a_rollout_starting_calls_too_fast_is_told_when_to_retry():
     from aiohttp.test_utils import make_mocked_request
 
     from gateway.admission import Admission
-    from gateway.protocols.errors import GatewayError
-
     from gateway.app_keys import RETRY_AFTER
+    from gateway.protocols.errors import GatewayError
 
     admission = Admission(limit=100, rollout_limit=100, rollout_rate=2)
     fast = uuid.uuid4()
