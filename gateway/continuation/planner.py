@@ -118,6 +118,7 @@ class Turn:
         continuation even when it dropped out of the recent calls."""
         if self.parent_full is None or any(cid == self.parent_id for cid, _ in recent):
             return recent
+        assert self.parent_id is not None  # a turn gets parent_full with its parent_id
         return [*recent, (self.parent_id, self.parent_full)]
 
 
@@ -187,6 +188,7 @@ class Continuer:
         spare = min(cap, _SPARE) if isinstance(cap, int) and cap > 0 else _SPARE
         ids, reason = cont.splice(parent_full, around.turn_end, around.tail, suffix, spare)
         if ids is None:
+            assert reason is not None  # splice says why it gave no ids
             return plain(
                 "fallback", reason, render_ms=render_ms, rendered_by=around.by, window=around.window
             )

@@ -33,6 +33,7 @@ async def backlog(conn: Conn, run_id: str) -> tuple[int, int]:
         " FROM rollouts WHERE metadata @> jsonb_build_object('run_id', $1::text)",
         run_id,
     )
+    assert row is not None  # an aggregate without GROUP BY returns one row
     return row["running"], row["waiting"]
 
 
@@ -116,7 +117,9 @@ async def expire_overdue(conn: Conn) -> list[UUID]:
 
 
 async def policy_version(conn: Conn) -> int:
-    return await conn.fetchval("SELECT version FROM policy")
+    version = await conn.fetchval("SELECT version FROM policy")
+    assert version is not None  # the migrations insert the policy's one row
+    return version
 
 
 # Every gateway LISTENs here and stamps the payload (the new version) from then on.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from uuid import UUID
 
@@ -40,7 +41,7 @@ async def replace(
     stats: dict,
     options: dict,
     harness: str | None,
-    abandoned: list[UUID] = (),
+    abandoned: Sequence[UUID] = (),
 ) -> None:
     """Stores a merge result in place of any earlier one (merging is idempotent), and marks
     the calls the merge found abandoned."""
