@@ -102,7 +102,7 @@ class Limits(NamedTuple):
 NO_LIMITS = Limits(2**31 - 1, 2**63 - 1)
 
 
-def insert_args(r: CallRecord, limits: Limits = NO_LIMITS) -> tuple:
+def insert_args(r: CallRecord, limits: Limits = NO_LIMITS) -> tuple[object, ...]:
     return (
         r.id,
         r.rollout_id,
