@@ -224,7 +224,9 @@ class Pipeline:
             except asyncio.CancelledError:
                 if call.aborted is None:
                     raise
-                asyncio.current_task().uncancel()
+                task = asyncio.current_task()
+                assert task is not None  # a coroutine runs in a task
+                task.uncancel()
                 await self._record(call, translated, engine, *call.aborted)
                 raise _abort_error(call) from None
             finally:
@@ -329,7 +331,9 @@ class Pipeline:
                 resp.close()  # closing the upstream response aborts the engine's request
                 await self._record_abandoned(call, translated, engine)
                 raise
-            asyncio.current_task().uncancel()
+            task = asyncio.current_task()
+            assert task is not None  # a coroutine runs in a task
+            task.uncancel()
             status, failure = call.aborted[0], _abort_error(call)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             resp.close()
