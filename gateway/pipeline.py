@@ -10,10 +10,10 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import asyncpg
 import msgspec
 from aiohttp import web
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from gateway.recording import Recording
     from gateway.rollout_memory import RolloutMemory
     from gateway.served_models import ServedModels
+    from gateway.store.conn import Pool
     from gateway.upstream import Upstreams
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class Pipeline:
     def __init__(
         self,
         config: GatewayConfig,
-        pool: asyncpg.Pool,
+        pool: Pool,
         upstreams: Upstreams,
         planner: Continuer,
         recording: Recording,
@@ -88,7 +89,7 @@ class Pipeline:
         self.cpu = StageCpu()
 
     async def serve(
-        self, request: web.Request, proto: Adapter, raw: bytes, rollout_id: uuid.UUID
+        self, request: web.Request, proto: Adapter[Any, Any], raw: bytes, rollout_id: uuid.UUID
     ) -> web.StreamResponse:
         """Serve one harness call through `proto`."""
         clock = self.cpu.clock()
@@ -122,8 +123,10 @@ class Pipeline:
         finally:
             self._admission.calls.discard(call)
 
-    def _response_state(self, rollout_id: uuid.UUID, clock: Clock):
-        async def lookup(response_id: str) -> dict | None:
+    def _response_state(
+        self, rollout_id: uuid.UUID, clock: Clock
+    ) -> Callable[[str], Awaitable[dict[str, Any] | None]]:
+        async def lookup(response_id: str) -> dict[str, Any] | None:
             async with self._pool.acquire() as conn:
                 return await clock.wait(
                     "parse", calls_store.response_state(conn, rollout_id, response_id)
@@ -131,7 +134,7 @@ class Pipeline:
 
         return lookup
 
-    def _model_check(self, clock: Clock):
+    def _model_check(self, clock: Clock) -> Callable[[str], Awaitable[None]]:
         return lambda model: clock.wait("parse", self._models.check(model))
 
     async def _last_upstream(self, rollout_id: uuid.UUID) -> str | None:
@@ -145,7 +148,7 @@ class Pipeline:
         engine: EngineCall,
         status: str,
         error: str | None = None,
-        state_source: dict | bytes | None = None,
+        state_source: dict[str, Any] | bytes | None = None,
         clock: Clock | None = None,
     ) -> None:
         """Freezes the call's outcome and returns once recording has made it durable."""
@@ -175,13 +178,15 @@ class Pipeline:
                   else "")  # fmt: skip
 
     async def _forward(
-        self, request, proto, translated, call: RunningCall, engine: EngineCall, encoded: bytes,
-        clock: Clock,
+        self, request: web.Request, proto: Adapter[Any, Any], translated: call_request.Translated,
+        call: RunningCall, engine: EngineCall, encoded: bytes, clock: Clock,
     ) -> web.StreamResponse:  # fmt: skip
         upstreams = self._upstreams
         streamed = bool(translated.body.get("stream"))
         # A frozen engine never answers a whole-response call; ejecting its replica ends it.
-        on_eject = None if streamed else (lambda why: call.abort("failed", why))
+        on_eject: Callable[[str], None] | None = (
+            None if streamed else (lambda why: call.abort("failed", why))
+        )
         for attempt in range(2):
             version_at_start = self._policy.value
             upstream = engine.upstream
@@ -234,8 +239,8 @@ class Pipeline:
         raise AssertionError("unreachable")
 
     async def _whole(
-        self, proto, translated, call: RunningCall, engine: EngineCall, resp, version_at_start: int,
-        clock: Clock,
+        self, proto: Adapter[Any, Any], translated: call_request.Translated, call: RunningCall,
+        engine: EngineCall, resp: aiohttp.ClientResponse, version_at_start: int, clock: Clock,
     ) -> web.Response:  # fmt: skip
         try:
             raw = await clock.wait("engine", resp.read())
@@ -264,7 +269,8 @@ class Pipeline:
         return response
 
     async def _streamed(
-        self, request, proto, translated, call: RunningCall, engine: EngineCall, resp, clock: Clock
+        self, request: web.Request, proto: Adapter[Any, Any], translated: call_request.Translated,
+        call: RunningCall, engine: EngineCall, resp: aiohttp.ClientResponse, clock: Clock,
     ) -> web.StreamResponse:
         upstreams = self._upstreams
         out = web.StreamResponse(
@@ -292,7 +298,7 @@ class Pipeline:
                     batch = await clock.wait("stream", anext(batches))
                 except StopAsyncIteration:
                     break
-                pieces = []
+                pieces: list[bytes] = []
                 for data in batch:
                     if data == b"[DONE]":
                         done = True
@@ -390,7 +396,9 @@ class Pipeline:
             transport.set_write_buffer_limits()  # the connection's next request: as before
         return out
 
-    async def _record_abandoned(self, call: RunningCall, translated, engine: EngineCall) -> None:
+    async def _record_abandoned(
+        self, call: RunningCall, translated: call_request.Translated, engine: EngineCall
+    ) -> None:
         """Records a call whose client went away; nobody is left to tell if that fails."""
         try:
             await self._record(call, translated, engine, "aborted", "client disconnected")

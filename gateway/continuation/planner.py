@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import asyncpg
@@ -139,7 +139,9 @@ class Continuer:
         # distinct tool sets and models, small in practice.
         self._suffixes: OrderedDict[tuple[str, bytes], tuple[int, ...]] = OrderedDict()
 
-    async def prepare(self, rollout_id: UUID, upstream: str, body: dict, clock: Clock) -> Turn:
+    async def prepare(
+        self, rollout_id: UUID, upstream: str, body: dict[str, Any], clock: Clock
+    ) -> Turn:
         """Decides how the engine gets this request's prompt; a render that fails means a plain
         render, not a failed request. `clock` is paused over what waits (database, renders)."""
         earlier = self._recent.entries(rollout_id) or ()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 from uuid import UUID
 
 import msgspec
@@ -289,7 +289,7 @@ async def request_body(conn: Conn, rollout_id: UUID, call_id: UUID) -> bytes | N
     return bodies.reconstruct(bodies.StoredBody(*r) for r in rows).get(call_id)
 
 
-async def response_state(conn: Conn, rollout_id: UUID, response_id: str):
+async def response_state(conn: Conn, rollout_id: UUID, response_id: str) -> Any:
     """The stored summary of the call that produced `response_id` in this rollout, or None."""
     raw = await conn.fetchval(
         "SELECT response_body FROM calls WHERE rollout_id = $1 AND response_id = $2",
