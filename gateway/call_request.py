@@ -82,24 +82,26 @@ class Translated(NamedTuple):
     needs of the request (`ctx`, and `stored_state` for a stateful protocol)."""
 
     call: ParsedCall
-    body: dict
+    body: dict[str, Any]
     ctx: Any
-    stored_state: Callable[[dict | bytes], dict] | None
+    stored_state: Callable[[dict[str, Any] | bytes], dict[str, Any]] | None
     client_ids: bool  # the harness asked for the engine's ids itself
 
 
-def decode(proto: Adapter, raw: bytes, earlier: Iterable[Layout]) -> tuple[Any, Layout | None]:
+def decode(
+    proto: Adapter[Any, Any], raw: bytes, earlier: Iterable[Layout]
+) -> tuple[Any, Layout | None]:
     """The protocol's request, decoded from where the rollout's earlier requests left off."""
     return proto.parse(raw, earlier)
 
 
 async def translate(
-    proto: Adapter,
-    req,
+    proto: Adapter[Any, Any],
+    req: Any,
     layout: Layout | None,
     raw: bytes,
     headers: Mapping[str, str],
-    stored_state: Callable[[str], Awaitable[dict | None]],
+    stored_state: Callable[[str], Awaitable[dict[str, Any] | None]],
     check_model: Callable[[str], Awaitable[None]],
     temperature: float,
     default_max_tokens: int | None,

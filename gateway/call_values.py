@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,8 +29,8 @@ class ParsedCall:
     retry_count: int
     user_agent: str | None
     model: str
-    requested: dict  # the harness's sampling fields, as asked
-    applied: dict  # the policy's, as sent
+    requested: dict[str, Any]  # the harness's sampling fields, as asked
+    applied: dict[str, Any]  # the policy's, as sent
     offered_tools: bool
     constraints: list[str]
     layout: Layout | None  # where the body's messages lie, for the rollout's next request
@@ -46,9 +46,9 @@ class EngineResult:
     completion: np.ndarray  # int32
     logprobs: np.ndarray  # float32, one per completion id
     versions: np.ndarray  # int32, the policy version each completion id was sampled under
-    message: dict  # the assistant message as the client received it, in chat form
+    message: dict[str, Any]  # the assistant message as the client received it, in chat form
     finish_reason: str | None
-    usage: dict | None
+    usage: dict[str, Any] | None
     ttft_ms: float | None
 
 
@@ -66,7 +66,7 @@ class Outcome:
     plan: Turn | None  # the continuation step (chat-completions upstreams)
     result: EngineResult
     # What a stateful protocol keeps of its response for a later request to continue from.
-    stored_state: dict | None
+    stored_state: dict[str, Any] | None
     # The engine's prompt ids as JSON pieces (gateway.engine_ids), kept beside the ids for the
     # calls that continue this one.
     prompt_json: tuple[bytes, ...] | None

@@ -6,7 +6,7 @@ Python ints (`gateway.engine_ids`): a speed device private to this stage."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
@@ -79,7 +79,7 @@ class EngineCall:
         self._passes_ids = passes_ids
         self._started = started
 
-    def body(self, body: dict, requested: dict, client_ids: bool) -> bytes:
+    def body(self, body: dict[str, Any], requested: dict[str, Any], client_ids: bool) -> bytes:
         """The body the engine is sent, encoded: with the plan's prompt ids, if it has them."""
         plan = self.plan
         if plan is not None and plan.prompt_ids is not None:
@@ -98,18 +98,18 @@ class EngineCall:
             body = {**body, "messages": plan.engine_messages(body["messages"])}
         return _encode(body)
 
-    def whole(self, raw: bytes, version: int) -> dict:
+    def whole(self, raw: bytes, version: int) -> dict[str, Any]:
         """A whole response, captured; its tokens stamped with `version`."""
         payload = self.payload(raw)
         self.capture.add_response(payload, version)
         self.ttft_ms = (time.perf_counter() - self._started) * 1000
         return payload
 
-    def chunk(self, data: bytes) -> dict:
+    def chunk(self, data: bytes) -> dict[str, Any]:
         """A streamed chunk, decoded (not yet captured: it may be an error)."""
         return _decode(data) if self.capture.prompt_ids is not None else self.payload(data)
 
-    def captured(self, chunk: dict, version: int) -> bool:
+    def captured(self, chunk: dict[str, Any], version: int) -> bool:
         """Captures `chunk`; whether it brought the call's first sampled token."""
         cap = self.capture
         cap.add_chunk(chunk, version)

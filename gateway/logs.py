@@ -49,7 +49,9 @@ class TextFormatter(logging.Formatter):
         self._date = _PerSecond(self.default_time_format, self.converter)
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
-        return self.default_msec_format % (self._date(record.created), record.msecs)
+        msec_format = self.default_msec_format
+        assert msec_format is not None  # the stdlib's "%s,%03d", never unset here
+        return msec_format % (self._date(record.created), record.msecs)
 
 
 class JsonFormatter(logging.Formatter):

@@ -12,8 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import asyncpg
+
+if TYPE_CHECKING:
+    from gateway.store.conn import Conn
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +26,7 @@ class Notifications:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
         self._handlers: dict[str, Callable[[str], None]] = {}
-        self._connected: list[Callable[[asyncpg.Connection], Awaitable[None]]] = []
+        self._connected: list[Callable[[Conn], Awaitable[None]]] = []
         self._lost: list[Callable[[], None]] = []
         self._task: asyncio.Task | None = None
         self._ready = asyncio.Event()
@@ -31,7 +35,7 @@ class Notifications:
         """`handler(payload)` for every notification on `channel`."""
         self._handlers[channel] = handler
 
-    def on_connect(self, read: Callable[[asyncpg.Connection], Awaitable[None]]) -> None:
+    def on_connect(self, read: Callable[[Conn], Awaitable[None]]) -> None:
         """`await read(conn)` once listening, on every (re)connection."""
         self._connected.append(read)
 

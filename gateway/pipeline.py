@@ -10,10 +10,10 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import asyncpg
 import msgspec
 from aiohttp import web
 
@@ -22,7 +22,7 @@ from gateway.admission import RunningCall
 from gateway.app_keys import STREAM_STARTED
 from gateway.call_values import Outcome
 from gateway.engine_exchange import EngineCall, stale_connection, upstream_error
-from gateway.protocols.adapter import CHAT_PATH, Adapter
+from gateway.protocols.adapter import CHAT_PATH, Adapter, Stream
 from gateway.protocols.errors import GatewayError
 from gateway.stage_cpu import Clock, StageCpu
 from gateway.store import calls as calls_store
@@ -30,6 +30,7 @@ from gateway.upstream import StreamStalled, sse_batches
 
 if TYPE_CHECKING:
     from gateway.admission import Admission
+    from gateway.capture import Capture
     from gateway.config import GatewayConfig
     from gateway.continuation.planner import Continuer
     from gateway.metrics import Metrics
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from gateway.recording import Recording
     from gateway.rollout_memory import RolloutMemory
     from gateway.served_models import ServedModels
+    from gateway.store.conn import Pool
     from gateway.upstream import Upstreams
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,7 @@ class Pipeline:
     def __init__(
         self,
         config: GatewayConfig,
-        pool: asyncpg.Pool,
+        pool: Pool,
         upstreams: Upstreams,
         planner: Continuer,
         recording: Recording,
@@ -88,7 +90,7 @@ class Pipeline:
         self.cpu = StageCpu()
 
     async def serve(
-        self, request: web.Request, proto: Adapter, raw: bytes, rollout_id: uuid.UUID
+        self, request: web.Request, proto: Adapter[Any, Any], raw: bytes, rollout_id: uuid.UUID
     ) -> web.StreamResponse:
         """Serve one harness call through `proto`."""
         clock = self.cpu.clock()
@@ -122,8 +124,10 @@ class Pipeline:
         finally:
             self._admission.calls.discard(call)
 
-    def _response_state(self, rollout_id: uuid.UUID, clock: Clock):
-        async def lookup(response_id: str) -> dict | None:
+    def _response_state(
+        self, rollout_id: uuid.UUID, clock: Clock
+    ) -> Callable[[str], Awaitable[dict[str, Any] | None]]:
+        async def lookup(response_id: str) -> dict[str, Any] | None:
             async with self._pool.acquire() as conn:
                 return await clock.wait(
                     "parse", calls_store.response_state(conn, rollout_id, response_id)
@@ -131,7 +135,7 @@ class Pipeline:
 
         return lookup
 
-    def _model_check(self, clock: Clock):
+    def _model_check(self, clock: Clock) -> Callable[[str], Awaitable[None]]:
         return lambda model: clock.wait("parse", self._models.check(model))
 
     async def _last_upstream(self, rollout_id: uuid.UUID) -> str | None:
@@ -145,7 +149,7 @@ class Pipeline:
         engine: EngineCall,
         status: str,
         error: str | None = None,
-        state_source: dict | bytes | None = None,
+        state_source: dict[str, Any] | bytes | None = None,
         clock: Clock | None = None,
     ) -> None:
         """Freezes the call's outcome and returns once recording has made it durable."""
@@ -175,13 +179,15 @@ class Pipeline:
                   else "")  # fmt: skip
 
     async def _forward(
-        self, request, proto, translated, call: RunningCall, engine: EngineCall, encoded: bytes,
-        clock: Clock,
+        self, request: web.Request, proto: Adapter[Any, Any], translated: call_request.Translated,
+        call: RunningCall, engine: EngineCall, encoded: bytes, clock: Clock,
     ) -> web.StreamResponse:  # fmt: skip
         upstreams = self._upstreams
         streamed = bool(translated.body.get("stream"))
         # A frozen engine never answers a whole-response call; ejecting its replica ends it.
-        on_eject = None if streamed else (lambda why: call.abort("failed", why))
+        on_eject: Callable[[str], None] | None = (
+            None if streamed else (lambda why: call.abort("failed", why))
+        )
         for attempt in range(2):
             version_at_start = self._policy.value
             upstream = engine.upstream
@@ -216,7 +222,9 @@ class Pipeline:
             except asyncio.CancelledError:
                 if call.aborted is None:
                     raise
-                asyncio.current_task().uncancel()
+                task = asyncio.current_task()
+                assert task is not None  # a coroutine runs in a task
+                task.uncancel()
                 await self._record(call, translated, engine, *call.aborted)
                 raise _abort_error(call) from None
             finally:
@@ -237,8 +245,8 @@ class Pipeline:
         return True
 
     async def _whole(
-        self, proto, translated, call: RunningCall, engine: EngineCall, resp, version_at_start: int,
-        clock: Clock,
+        self, proto: Adapter[Any, Any], translated: call_request.Translated, call: RunningCall,
+        engine: EngineCall, resp: aiohttp.ClientResponse, version_at_start: int, clock: Clock,
     ) -> web.Response:  # fmt: skip
         try:
             raw = await clock.wait("engine", resp.read())
@@ -267,7 +275,8 @@ class Pipeline:
         return response
 
     async def _streamed(
-        self, request, proto, translated, call: RunningCall, engine: EngineCall, resp, clock: Clock
+        self, request: web.Request, proto: Adapter[Any, Any], translated: call_request.Translated,
+        call: RunningCall, engine: EngineCall, resp: aiohttp.ClientResponse, clock: Clock,
     ) -> web.StreamResponse:
         out = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -290,7 +299,9 @@ class Pipeline:
                 resp.close()  # closing the upstream response aborts the engine's request
                 await self._record_abandoned(call, translated, engine)
                 raise
-            asyncio.current_task().uncancel()
+            task = asyncio.current_task()
+            assert task is not None  # a coroutine runs in a task
+            task.uncancel()
             status, failure = call.aborted[0], _abort_error(call)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             resp.close()
@@ -321,8 +332,10 @@ class Pipeline:
             transport.set_write_buffer_limits()  # the connection's next request: as before
         return out
 
-    async def _pump(self, engine: EngineCall, resp, stream, out, transport, clock: Clock
-                    ) -> GatewayError | None:
+    async def _pump(
+        self, engine: EngineCall, resp: aiohttp.ClientResponse, stream: Stream,
+        out: web.StreamResponse, transport: asyncio.Transport | None, clock: Clock,
+    ) -> GatewayError | None:  # fmt: skip
         """Engine chunks to the client until the engine's end; the failure that stopped it, if
         any (the engine's error event, a chunk the protocol cannot express, a client that
         leaves too much unread)."""
@@ -346,8 +359,10 @@ class Pipeline:
         finally:
             await batches.aclose()  # stops its timer now, not when the generator is collected
 
-    async def _relay_batch(self, batch: list[bytes], engine: EngineCall, stream, out,
-                           clock: Clock) -> tuple[bool, GatewayError | None]:
+    async def _relay_batch(
+        self, batch: list[bytes], engine: EngineCall, stream: Stream, out: web.StreamResponse,
+        clock: Clock,
+    ) -> tuple[bool, GatewayError | None]:  # fmt: skip
         """One read's chunks captured (stamped with the version live now) and written to the
         client; (the engine's end was among them, the failure that stopped them)."""
         pieces: list[bytes] = []
@@ -379,9 +394,11 @@ class Pipeline:
             await clock.wait("stream", out.write(joined))
         return done, failure
 
-    async def _record_stream(self, call: RunningCall, translated, engine: EngineCall,
-                             status: str, failure: GatewayError | None, state_source,
-                             clock: Clock) -> GatewayError | None:
+    async def _record_stream(
+        self, call: RunningCall, translated: call_request.Translated, engine: EngineCall,
+        status: str, failure: GatewayError | None, state_source: dict[str, Any] | bytes | None,
+        clock: Clock,
+    ) -> GatewayError | None:  # fmt: skip
         """Records the streamed call; the failure its client is to be told of (a call that
         could not be recorded must not end as a success)."""
         try:
@@ -398,7 +415,9 @@ class Pipeline:
             )
         return failure
 
-    async def _record_abandoned(self, call: RunningCall, translated, engine: EngineCall) -> None:
+    async def _record_abandoned(
+        self, call: RunningCall, translated: call_request.Translated, engine: EngineCall
+    ) -> None:
         """Records a call whose client went away; nobody is left to tell if that fails."""
         try:
             await self._record(call, translated, engine, "aborted", "client disconnected")
@@ -406,7 +425,7 @@ class Pipeline:
             log.warning("aborted call %s not recorded: %s", call.id, err.message)
 
 
-def _unusable(cap) -> GatewayError | None:
+def _unusable(cap: Capture) -> GatewayError | None:
     """Why a stream that ended without an error cannot be trained on, or None."""
     if cap.finish_reason in ("abort", "error"):
         return GatewayError(
@@ -420,7 +439,7 @@ def _unusable(cap) -> GatewayError | None:
     return None
 
 
-async def _end_stream(out: web.StreamResponse, stream, failure: GatewayError | None,
+async def _end_stream(out: web.StreamResponse, stream: Stream, failure: GatewayError | None,
                       clock: Clock) -> None:
     """The stream's last event: its end, or the failure in the protocol's terms."""
     try:

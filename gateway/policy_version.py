@@ -4,10 +4,12 @@ read again on every reconnect): every sampled token is stamped with it (invarian
 from __future__ import annotations
 
 import logging
-
-import asyncpg
+from typing import TYPE_CHECKING
 
 from gateway.store import rollouts as rollouts_store
+
+if TYPE_CHECKING:
+    from gateway.store.conn import Conn
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +21,7 @@ class PolicyVersion:
     def notified(self, payload: str) -> None:
         self._set(int(payload))
 
-    async def read(self, conn: asyncpg.Connection) -> None:
+    async def read(self, conn: Conn) -> None:
         self._set(await rollouts_store.policy_version(conn))
 
     def _set(self, version: int) -> None:

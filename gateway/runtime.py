@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 from uuid import UUID
 
 import asyncpg
@@ -36,6 +37,9 @@ from gateway.store import calls as calls_store
 from gateway.store import rollouts as rollouts_store
 from gateway.store import traces as traces_store
 from gateway.upstream import Upstreams
+
+if TYPE_CHECKING:
+    from gateway.store.conn import Conn
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +147,7 @@ class Runtime:
                     except (RenderError, TimeoutError) as exc:  # checked again on first use
                         log.warning("local template self-check on %s failed: %r", url, exc)
 
-    async def _listening_for_ends(self, conn: asyncpg.Connection) -> None:
+    async def _listening_for_ends(self, conn: Conn) -> None:
         self.keys.listening(True)
 
     def _rollout_ended(self, payload: str) -> None:

@@ -26,7 +26,7 @@ class StageCpu:
     __slots__ = ("ns", "calls")
 
     def __init__(self) -> None:
-        self.ns = dict.fromkeys(STAGES, 0)
+        self.ns: dict[str, int] = dict.fromkeys(STAGES, 0)
         self.calls = 0
 
     def clock(self) -> Clock:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from uuid import UUID
 
 import aiohttp
@@ -394,7 +394,7 @@ class _Watchdog:
 
 async def sse_batches(
     resp: aiohttp.ClientResponse, first_timeout_s: float, idle_timeout_s: float
-) -> AsyncIterator[list[bytes]]:
+) -> AsyncGenerator[list[bytes], None]:
     """The `data:` payloads of a server-sent-event stream, grouped by what arrived together,
     so the pipeline answers each network read with one write instead of one per event. Raises
     StreamStalled when the first read takes over `first_timeout_s` or a later one over

@@ -114,8 +114,10 @@ class CheckedRenderer:
         self, upstream: str, body: dict, upto: int, encoded: Encoded | None = None
     ) -> Around | None:
         context = context_key(body)
+        model = body.get("model")
+        assert isinstance(model, str)  # call_request puts the served model in every body
         try:
-            fmt = await self.self_check(upstream, body.get("model"))
+            fmt = await self.self_check(upstream, model)
         except RenderError:
             fmt = None
         key = (upstream, context)

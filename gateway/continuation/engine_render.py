@@ -84,6 +84,7 @@ class EngineRenderer:
                 span = bytes(_decode_rendered(raw).token_ids)  # the key came first elsewhere
         except msgspec.DecodeError as exc:
             raise RenderError(f"{RENDER_PATH} answered unreadable JSON: {exc}") from exc
+        assert span is not None  # a sentinel there means split cut the array out
         return span
 
     async def around(

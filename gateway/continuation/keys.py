@@ -213,7 +213,7 @@ class RequestKeys:
             + 256
         )
 
-    def reply_keys(self, reply: dict) -> list[bytes]:
+    def reply_keys(self, reply: dict[str, Any]) -> list[bytes]:
         """Keys under which a later request finds the call that got this request and returned
         `reply`: as returned, and without its reasoning (harnesses that do not send it back)."""
         variants = [canonical_message(reply)[0]]

@@ -10,6 +10,7 @@ import re
 import unicodedata
 from datetime import datetime
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -133,6 +134,7 @@ def _compile(template: str):
     try:  # installed with vLLM and transformers, not required by the gateway itself
         import jinja2
         import jinja2.ext
+        import jinja2.nodes
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as exc:
         raise Unsupported(f"jinja2 is needed to run chat templates: {exc}") from exc
@@ -321,7 +323,7 @@ class LocalTemplate:
         text = self.text(body, content_format)
         return None if text is None else self.encode(text)
 
-    def around(self, body: dict, upto: int, content_format: str) -> Around | None | bool:
+    def around(self, body: dict, upto: int, content_format: str) -> Around | None | Literal[False]:
         """As `EngineRenderer.around`, or False if the request is not for local rendering.
 
         Tokenizing at a special token gives the same ids as tokenizing the text around it
@@ -336,7 +338,7 @@ class LocalTemplate:
             return None
         tail = full[len(turn) :]
         starts = [m.start() for m in self._specials.finditer(turn)] if self._specials else []
-        if len(starts) < 2 or (tail and not self._specials.match(tail)):
+        if self._specials is None or len(starts) < 2 or (tail and not self._specials.match(tail)):
             return split_around(self.encode(turn), self.encode(full), "local")
         # From the second-last special token: the turn's end whatever its template looks like.
         return Around(

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import asyncpg
@@ -118,6 +118,7 @@ class Turn:
         continuation even when it dropped out of the recent calls."""
         if self.parent_full is None or any(cid == self.parent_id for cid, _ in recent):
             return recent
+        assert self.parent_id is not None  # a turn gets parent_full with its parent_id
         return [*recent, (self.parent_id, self.parent_full)]
 
 
@@ -138,7 +139,7 @@ class Continuer:
         # distinct tool sets and models, small in practice.
         self._suffixes: OrderedDict[tuple[str, bytes], tuple[int, ...]] = OrderedDict()
 
-    def _unspliced(self, keys: RequestKeys, body: dict) -> tuple[str, str] | None:
+    def _unspliced(self, keys: RequestKeys, body: dict[str, Any]) -> tuple[str, str] | None:
         """(path, reason) of a continuation the gateway does not splice whatever the parent's
         tokens: configured so, or a request with media or `echo`; None if it may splice."""
         if self.mode == "render":
@@ -149,7 +150,9 @@ class Continuer:
             return "fallback", cont.ECHO
         return None
 
-    async def prepare(self, rollout_id: UUID, upstream: str, body: dict, clock: Clock) -> Turn:
+    async def prepare(
+        self, rollout_id: UUID, upstream: str, body: dict[str, Any], clock: Clock
+    ) -> Turn:
         """Decides how the engine gets this request's prompt; a render that fails means a plain
         render, not a failed request. `clock` is paused over what waits (database, renders)."""
         earlier = self._recent.entries(rollout_id) or ()
@@ -195,6 +198,7 @@ class Continuer:
         spare = min(cap, _SPARE) if isinstance(cap, int) and cap > 0 else _SPARE
         ids, reason = cont.splice(parent_full, around.turn_end, around.tail, suffix, spare)
         if ids is None:
+            assert reason is not None  # splice says why it gave no ids
             return plain(
                 "fallback", reason, render_ms=render_ms, rendered_by=around.by, window=around.window
             )

@@ -124,7 +124,7 @@ def merge(calls: Sequence[CallTokens], options: MergeOptions = MergeOptions()) -
         left &= ~reason
     trained = sum(int(np.count_nonzero(s.loss_mask)) for s in sequences)
     sampled = int(packed.C[~excluded_call].sum())
-    causes = dict.fromkeys(CAUSES, 0)
+    causes: dict[str, int] = dict.fromkeys(CAUSES, 0)
     for s in sequences:
         if s.cause in causes:
             causes[s.cause] += 1

@@ -4,11 +4,13 @@ call's delta base), and every call's parent in a rollout, found in memory linear
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from gateway.merge.values import CallTokens
+
+Id = TypeVar("Id")  # a call id: str in the merge, UUID when recording
 
 
 def common_prefix_len(a: Any, b: Any) -> int:
@@ -29,8 +31,8 @@ def common_prefix_len(a: Any, b: Any) -> int:
 
 
 def best_base(
-    prompt: Any, candidates: Sequence[tuple[str, Any]], opens: int | None = None
-) -> tuple[str | None, int]:
+    prompt: Any, candidates: Sequence[tuple[Id, Any]], opens: int | None = None
+) -> tuple[Id | None, int]:
     """The candidate (call id, that call's prompt + completion ids) sharing the longest prefix with
     `prompt`, and that length; (None, 0) if none shares a token.
 

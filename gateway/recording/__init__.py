@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
-import asyncpg
+import asyncpg  # pyright: ignore[reportMissingTypeStubs] - asyncpg ships no type stubs
 import msgspec
 import numpy as np
 
@@ -29,6 +30,9 @@ from gateway.store import bodies
 from gateway.store import calls as calls_store
 from gateway.store.db import UNAVAILABLE
 from gateway.store.values import clean_text
+
+if TYPE_CHECKING:
+    from gateway.store.conn import Pool
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,7 @@ _DB_ERRORS = (Unavailable, asyncpg.PostgresError, *UNAVAILABLE)
 class Recording:
     def __init__(
         self,
-        pool: asyncpg.Pool,
+        pool: Pool,
         recorder: Recorder,
         memory: RolloutMemory,
         record_bodies: bool,
@@ -99,7 +103,7 @@ class Recording:
             candidates = turn.candidates(candidates)
             opens = turn.opens(prompt, candidates)
         base_id, prefix_len = best_base(prompt, candidates, opens) if len(prompt) else (None, 0)
-        response_summary = {
+        response_summary: dict[str, Any] = {
             "message": res.message,
             "finish_reason": res.finish_reason,
             "usage": res.usage,
@@ -193,7 +197,9 @@ class Recording:
         return bodies.delta(base.body, req.raw, base.reply, known), base_id
 
 
-def _continues(base_id, prefix_len: int, candidates) -> bool:
+def _continues(
+    base_id: uuid.UUID | None, prefix_len: int, candidates: Iterable[tuple[uuid.UUID, np.ndarray]]
+) -> bool:
     """Whether a prompt whose longest shared prefix with `base_id`'s ids is `prefix_len` holds
     all of them: the call continues that one."""
     return base_id is not None and any(

@@ -16,11 +16,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
-import asyncpg
+import asyncpg  # pyright: ignore[reportMissingTypeStubs] - asyncpg ships no type stubs
 
 from gateway.store import calls as calls_store
 from gateway.store.db import UNAVAILABLE
+
+if TYPE_CHECKING:
+    from gateway.store.conn import Conn, Connection, Pool
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +51,7 @@ class Unavailable(Exception):
 class Recorder:
     def __init__(
         self,
-        pool: asyncpg.Pool,
+        pool: Pool,
         max_batch: int = 512,
         max_pending: int = 4096,
         command_timeout_s: float | None = None,
@@ -57,15 +62,17 @@ class Recorder:
         self._max_batch = max_batch
         self.max_pending = max_pending
         self._timeout = command_timeout_s
-        self._queue: asyncio.Queue[tuple[calls_store.CallRecord, asyncio.Future]] = asyncio.Queue()
-        self._writer: asyncio.Task | None = None
+        self._queue: asyncio.Queue[tuple[calls_store.CallRecord, asyncio.Future[None]]] = (
+            asyncio.Queue()
+        )
+        self._writer: asyncio.Task[None] | None = None
         self._in_flight = 0
-        self._dropping: set[asyncio.Task] = set()
+        self._dropping: set[asyncio.Task[None]] = set()
         self.stats = RecorderStats()
         # Why the database is unusable, or None; set by a failed commit, cleared by a commit
         # or a probe that succeeds.
         self.down: str | None = None
-        self.on_commit = None  # (batch size, seconds) -> None; the metrics hook
+        self.on_commit: Callable[[int, float], None] | None = None  # the metrics hook
 
     @property
     def pending(self) -> int:
@@ -98,12 +105,12 @@ class Recorder:
     async def record(self, rec: calls_store.CallRecord) -> None:
         """Returns once `rec` is committed; raises `Unavailable`, or the database's error for
         this row, if it was not."""
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((rec, fut))
         # Shielded: a client that goes away must not cancel the commit of its own call.
         await asyncio.shield(fut)
 
-    async def _next_batch(self) -> list[tuple[calls_store.CallRecord, asyncio.Future]]:
+    async def _next_batch(self) -> list[tuple[calls_store.CallRecord, asyncio.Future[None]]]:
         while self.down is not None:
             # Records that arrive while the database is away fail at once (their calls get
             # 503 now, not after another timeout); a probe decides when it is back.
@@ -112,7 +119,8 @@ class Recorder:
                 _settle(fut, Unavailable(self.down))
                 self._queue.task_done()
             await self._probe()
-            if self.down is not None:
+            # pyright keeps the loop's narrowing to str across the await; _probe() resets it.
+            if self.down is not None:  # pyright: ignore[reportUnnecessaryComparison]
                 await asyncio.sleep(_PROBE_INTERVAL_S)
         batch = [await self._queue.get()]
         while len(batch) < self._max_batch and not self._queue.empty():
@@ -122,7 +130,8 @@ class Recorder:
     async def _probe(self) -> None:
         try:
             async with self._pool.acquire() as conn:
-                await conn.fetchval("SELECT 1", timeout=self._timeout)
+                # asyncpg ships no stubs: its connection methods are untyped.
+                await cast("Connection", conn).fetchval("SELECT 1", timeout=self._timeout)
         except Exception as exc:  # noqa: BLE001 - any failure means: not back yet
             self.down = _reason(exc)
         else:
@@ -132,7 +141,7 @@ class Recorder:
     async def _write_forever(self) -> None:
         # The writer keeps one connection: acquiring from the pool per commit costs a reset
         # query round trip on release, which every waiting call would sit through.
-        conn = None
+        conn: Conn | None = None
         try:
             while True:
                 batch = await self._next_batch()
@@ -141,7 +150,7 @@ class Recorder:
                 try:
                     if conn is None:
                         conn = await self._pool.acquire()
-                    await self._write(conn, batch)
+                    await self._write(cast("Connection", conn), batch)
                 except Exception as exc:  # noqa: BLE001 - every waiter must hear; the writer lives
                     if isinstance(exc, UNAVAILABLE):
                         log.error("commit of %d call records failed: %r", len(batch), exc)
@@ -175,7 +184,9 @@ class Recorder:
             if conn is not None:
                 await _drop(self._pool, conn)
 
-    async def _write(self, conn: asyncpg.Connection, batch: list) -> None:
+    async def _write(
+        self, conn: Connection, batch: list[tuple[calls_store.CallRecord, asyncio.Future[None]]]
+    ) -> None:
         """One statement for the batch, atomic on its own (asyncpg runs executemany in an
         implicit transaction: no BEGIN/COMMIT round trips); row by row if it is refused."""
         try:
@@ -211,7 +222,7 @@ class Recorder:
                 _settle(fut, None)
 
 
-def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
+def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
     if fut.done():
         return
     if exc is None:
@@ -224,7 +235,7 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-async def _drop(pool: asyncpg.Pool, conn: asyncpg.Connection) -> None:
+async def _drop(pool: Pool, conn: Conn) -> None:
     """Gives a connection that failed back to the pool, which closes it if it is broken."""
     try:
         await pool.release(conn)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 from uuid import UUID
 
-import asyncpg
 import msgspec
 import numpy as np
 
@@ -18,6 +17,9 @@ from gateway.store.tokens import (
     logprobs_from_bytes,
     reconstruct_prompts,
 )
+
+if TYPE_CHECKING:
+    from gateway.store.conn import Conn
 
 
 class CallRecord(msgspec.Struct, kw_only=True):
@@ -100,7 +102,7 @@ class Limits(NamedTuple):
 NO_LIMITS = Limits(2**31 - 1, 2**63 - 1)
 
 
-def insert_args(r: CallRecord, limits: Limits = NO_LIMITS) -> tuple:
+def insert_args(r: CallRecord, limits: Limits = NO_LIMITS) -> tuple[object, ...]:
     return (
         r.id,
         r.rollout_id,
@@ -142,7 +144,7 @@ def insert_args(r: CallRecord, limits: Limits = NO_LIMITS) -> tuple:
 _TOKEN_COLUMNS = "id, base_id, prefix_len, prompt_delta, completion_ids"
 
 
-async def rollout_tokens(conn: asyncpg.Connection, rollout_id: UUID) -> list[StoredTokens]:
+async def rollout_tokens(conn: Conn, rollout_id: UUID) -> list[StoredTokens]:
     rows = await conn.fetch(
         f"SELECT {_TOKEN_COLUMNS} FROM calls WHERE rollout_id = $1 ORDER BY seq", rollout_id
     )
@@ -150,14 +152,14 @@ async def rollout_tokens(conn: asyncpg.Connection, rollout_id: UUID) -> list[Sto
 
 
 async def recent_full_ids(
-    conn: asyncpg.Connection, rollout_id: UUID, limit: int
+    conn: Conn, rollout_id: UUID, limit: int
 ) -> list[tuple[UUID, np.ndarray]]:
     """(call id, prompt + completion ids) of the rollout's last `limit` calls, oldest first."""
     stored = await rollout_tokens(conn, rollout_id)
     return [(s.id, chain_ids(stored, s.id)) for s in stored[-limit:]]
 
 
-async def full_ids(conn: asyncpg.Connection, rollout_id: UUID, call_id: UUID) -> np.ndarray | None:
+async def full_ids(conn: Conn, rollout_id: UUID, call_id: UUID) -> np.ndarray | None:
     """Prompt + completion ids of one call, from its chain of bases only; None if no such call
     in this rollout."""
     rows = await conn.fetch(
@@ -178,7 +180,7 @@ async def full_ids(conn: asyncpg.Connection, rollout_id: UUID, call_id: UUID) ->
     return chain_ids([StoredTokens(*r) for r in rows], call_id)
 
 
-async def last_upstream(conn: asyncpg.Connection, rollout_id: UUID) -> str | None:
+async def last_upstream(conn: Conn, rollout_id: UUID) -> str | None:
     """The replica the rollout's last recorded call went to (by any gateway)."""
     return await conn.fetchval(
         "SELECT upstream FROM calls WHERE rollout_id = $1 ORDER BY seq DESC LIMIT 1", rollout_id
@@ -186,7 +188,7 @@ async def last_upstream(conn: asyncpg.Connection, rollout_id: UUID) -> str | Non
 
 
 async def find_replies(
-    conn: asyncpg.Connection, rollout_id: UUID, keys: list[bytes]
+    conn: Conn, rollout_id: UUID, keys: list[bytes]
 ) -> list[tuple[UUID, list[bytes]]]:
     """(call id, reply keys) of the rollout's successful calls whose reply has one of `keys`,
     oldest first."""
@@ -204,7 +206,7 @@ def decompress_json(raw: bytes | None):
 
 
 async def rollout_calls(
-    conn: asyncpg.Connection, rollout_id: UUID, with_tokens: bool, with_bodies: bool
+    conn: Conn, rollout_id: UUID, with_tokens: bool, with_bodies: bool
 ) -> list[dict]:
     """The rollout's calls as the admin API returns them (field names are public API)."""
     rows = await conn.fetch("SELECT * FROM calls WHERE rollout_id = $1 ORDER BY seq", rollout_id)
@@ -267,7 +269,7 @@ async def rollout_calls(
     return out
 
 
-async def request_body(conn: asyncpg.Connection, rollout_id: UUID, call_id: UUID) -> bytes | None:
+async def request_body(conn: Conn, rollout_id: UUID, call_id: UUID) -> bytes | None:
     """The request body of one call, exactly as the harness sent it, from its chain of parent
     bodies only; None if none was kept."""
     rows = await conn.fetch(
@@ -287,7 +289,7 @@ async def request_body(conn: asyncpg.Connection, rollout_id: UUID, call_id: UUID
     return bodies.reconstruct(bodies.StoredBody(*r) for r in rows).get(call_id)
 
 
-async def response_state(conn: asyncpg.Connection, rollout_id: UUID, response_id: str):
+async def response_state(conn: Conn, rollout_id: UUID, response_id: str) -> Any:
     """The stored summary of the call that produced `response_id` in this rollout, or None."""
     raw = await conn.fetchval(
         "SELECT response_body FROM calls WHERE rollout_id = $1 AND response_id = $2",

@@ -19,10 +19,12 @@ def start_embedded(data_dir: Path) -> str:
     The server outlives this process on purpose (pgserver's `cleanup_mode=None`): the next
     gateway start reuses it in about a second, and records survive a gateway crash.
     """
-    import pgserver  # a wheel with Postgres binaries; imported only when needed
+    # A wheel with Postgres binaries; imported only when needed. From the module that defines
+    # get_server: pgserver's __init__ re-exports it without __all__ (private to pyright).
+    from pgserver.postgres_server import get_server
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    server = pgserver.get_server(data_dir / "pgdata", cleanup_mode=None)
+    server = get_server(data_dir / "pgdata", cleanup_mode=None)
     return server.get_uri()
 
 

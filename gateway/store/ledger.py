@@ -16,10 +16,14 @@ constrained, auxiliary) and the bridge's:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from gateway.merge.values import EXCLUSION_CAUSES, EXCLUSION_FLAGS
+
+if TYPE_CHECKING:
+    import asyncpg
 
 BRIDGE_CAUSES = ("stale", "too_long", "zero_advantage", "dropped")
 CAUSES = (*EXCLUSION_CAUSES, *BRIDGE_CAUSES)
@@ -51,7 +55,7 @@ def account(
 ) -> Ledger:
     """The ledger of a rollout being consumed. `deliveries`: (outcome, trained tokens, tokens
     masked or put aside) of each of its logged traces; `dropped`: its group was dropped."""
-    excluded = dict.fromkeys(CAUSES, 0)
+    excluded: dict[str, int] = dict.fromkeys(CAUSES, 0)
     for cause, tokens in (merge_stats.get("excluded_by_cause") or {}).items():
         excluded[cause] = excluded.get(cause, 0) + int(tokens)
     trained = 0
@@ -90,7 +94,7 @@ def merge_reason(merge_stats: Mapping | None) -> str | None:
     )
 
 
-def rollout_reason(row: Mapping) -> str | None:
+def rollout_reason(row: Mapping[str, Any] | asyncpg.Record) -> str | None:
     """A rollout's one line on why it trained nothing: its ledger's once a bridge consumed it,
     else what its merge left to train (None: something trains, or it is not merged)."""
     if row["ledger"]:

@@ -3,7 +3,10 @@ when several gateways start at once against one database)."""
 
 from __future__ import annotations
 
-import asyncpg
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.store.conn import Conn
 
 # Append only: a released migration is never edited, a change is a new entry.
 MIGRATIONS: list[tuple[int, str]] = [
@@ -285,7 +288,7 @@ class SchemaTooNew(Exception):
     """The database was migrated by a newer rolltap."""
 
 
-async def migrate(conn: asyncpg.Connection) -> int:
+async def migrate(conn: Conn) -> int:
     """Bring the schema to the newest version; returns that version."""
     await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_ID)
     try:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from uuid import UUID
 
 import asyncpg
+
+if TYPE_CHECKING:
+    from gateway.store.conn import Conn
 
 
 def identity(row) -> dict:
@@ -19,7 +23,7 @@ def identity(row) -> dict:
     }
 
 
-async def backlog(conn: asyncpg.Connection, run_id: str) -> tuple[int, int]:
+async def backlog(conn: Conn, run_id: str) -> tuple[int, int]:
     """(running, waiting) rollouts of a runner's run: waiting ones ended, and no trainer bridge
     has taken them yet (released their group to its trainer, consumed or put them aside)."""
     row = await conn.fetchrow(
@@ -29,11 +33,12 @@ async def backlog(conn: asyncpg.Connection, run_id: str) -> tuple[int, int]:
         " FROM rollouts WHERE metadata @> jsonb_build_object('run_id', $1::text)",
         run_id,
     )
+    assert row is not None  # an aggregate without GROUP BY returns one row
     return row["running"], row["waiting"]
 
 
 async def create(
-    conn: asyncpg.Connection,
+    conn: Conn,
     rollout_id: UUID,
     key_hash: bytes,
     task_id: str | None,
@@ -57,7 +62,7 @@ async def create(
     )
 
 
-async def by_key_hash(conn: asyncpg.Connection, key_hash: bytes) -> asyncpg.Record | None:
+async def by_key_hash(conn: Conn, key_hash: bytes) -> asyncpg.Record | None:
     """id, status and `left`: seconds to the deadline by the database's clock (None: none)."""
     return await conn.fetchrow(
         "SELECT id, status, extract(epoch FROM deadline - now())::float8 AS left"
@@ -66,7 +71,7 @@ async def by_key_hash(conn: asyncpg.Connection, key_hash: bytes) -> asyncpg.Reco
     )
 
 
-async def get(conn: asyncpg.Connection, rollout_id: UUID) -> asyncpg.Record | None:
+async def get(conn: Conn, rollout_id: UUID) -> asyncpg.Record | None:
     return await conn.fetchrow(
         "SELECT id, task_id, group_id, metadata, status, reward, metrics, call_count,"
         " created_at, deadline, finished_at, harness, merge_stats, merge_options, merged_at,"
@@ -82,7 +87,7 @@ ENDED_CHANNEL = "rolltap_rollout_ended"
 
 
 async def finish(
-    conn: asyncpg.Connection,
+    conn: Conn,
     rollout_id: UUID,
     status: str,
     reward: float | None,
@@ -102,7 +107,7 @@ async def finish(
     return bool(done)
 
 
-async def expire_overdue(conn: asyncpg.Connection) -> list[UUID]:
+async def expire_overdue(conn: Conn) -> list[UUID]:
     """Ends every running rollout past its deadline as `timeout` (unscorable)."""
     rows = await conn.fetch(
         "UPDATE rollouts SET status = 'timeout', finished_at = now()"
@@ -111,15 +116,17 @@ async def expire_overdue(conn: asyncpg.Connection) -> list[UUID]:
     return [r["id"] for r in rows]
 
 
-async def policy_version(conn: asyncpg.Connection) -> int:
-    return await conn.fetchval("SELECT version FROM policy")
+async def policy_version(conn: Conn) -> int:
+    version = await conn.fetchval("SELECT version FROM policy")
+    assert version is not None  # the migrations insert the policy's one row
+    return version
 
 
 # Every gateway LISTENs here and stamps the payload (the new version) from then on.
 POLICY_CHANNEL = "rolltap_policy"
 
 
-async def set_policy_version(conn: asyncpg.Connection, version: int) -> None:
+async def set_policy_version(conn: Conn, version: int) -> None:
     """Stores the version and notifies every listening gateway when it commits."""
     await conn.execute(
         "WITH u AS (UPDATE policy SET version = $1, updated_at = now() RETURNING version)"
@@ -128,11 +135,11 @@ async def set_policy_version(conn: asyncpg.Connection, version: int) -> None:
     )
 
 
-async def count_by_status(conn: asyncpg.Connection) -> list[asyncpg.Record]:
+async def count_by_status(conn: Conn) -> list[asyncpg.Record]:
     return await conn.fetch("SELECT status, count(*) AS count FROM rollouts GROUP BY status")
 
 
-async def ledger_totals(conn: asyncpg.Connection) -> list[tuple[str | None, int]]:
+async def ledger_totals(conn: Conn) -> list[tuple[str | None, int]]:
     """Tokens of consumed rollouts (gateway/store/ledger.py): (None, trained) and (cause,
     excluded) for each cause any ledger names."""
     rows = await conn.fetch(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from uuid import UUID
 
 import asyncpg
@@ -10,11 +12,14 @@ import numpy as np
 from gateway.store.tokens import IDS, LOGPROBS, ids_from_bytes, logprobs_from_bytes
 from gateway.store.values import clean_text
 
+if TYPE_CHECKING:
+    from gateway.store.conn import Conn
+
 # Announced once a finished rollout's traces are stored: what a trainer bridge waits for.
 FINISHED_CHANNEL = "rolltap_rollout_finished"
 
 
-async def merge_inputs(conn: asyncpg.Connection, rollout_id: UUID) -> list[asyncpg.Record]:
+async def merge_inputs(conn: Conn, rollout_id: UUID) -> list[asyncpg.Record]:
     return await conn.fetch(
         "SELECT id, seq, base_id, prefix_len, prompt_delta, completion_ids, logprobs, versions,"
         " status, offered_tools, user_agent, protocol, constrained, body_digest, retry_count,"
@@ -23,20 +28,20 @@ async def merge_inputs(conn: asyncpg.Connection, rollout_id: UUID) -> list[async
     )
 
 
-async def side_calls(conn: asyncpg.Connection, rollout_id: UUID) -> str:
+async def side_calls(conn: Conn, rollout_id: UUID) -> str:
     """What the rollout's creator said of its toolless calls ('auto' for an unknown rollout)."""
     value = await conn.fetchval("SELECT side_calls FROM rollouts WHERE id = $1", rollout_id)
     return value or "auto"
 
 
 async def replace(
-    conn: asyncpg.Connection,
+    conn: Conn,
     rollout_id: UUID,
     sequences,
     stats: dict,
     options: dict,
     harness: str | None,
-    abandoned: list[UUID] = (),
+    abandoned: Sequence[UUID] = (),
 ) -> None:
     """Stores a merge result in place of any earlier one (merging is idempotent), and marks
     the calls the merge found abandoned."""
@@ -113,12 +118,12 @@ class StoredTrace:
         }
 
 
-async def fetch(conn: asyncpg.Connection, rollout_id: UUID) -> list[StoredTrace]:
+async def fetch(conn: Conn, rollout_id: UUID) -> list[StoredTrace]:
     rows = await conn.fetch("SELECT * FROM traces WHERE rollout_id = $1 ORDER BY idx", rollout_id)
     return [StoredTrace(r) for r in rows]
 
 
-async def unmerged(conn: asyncpg.Connection, limit: int = 16) -> list[UUID]:
+async def unmerged(conn: Conn, limit: int = 16) -> list[UUID]:
     """Ended rollouts whose merge has not happened (a gateway died between finish and merge)."""
     rows = await conn.fetch(
         "SELECT id FROM rollouts WHERE status <> 'running' AND merged_at IS NULL"
@@ -128,13 +133,13 @@ async def unmerged(conn: asyncpg.Connection, limit: int = 16) -> list[UUID]:
     return [r["id"] for r in rows]
 
 
-async def mark_merge_failed(conn: asyncpg.Connection, rollout_id: UUID, reason: str) -> None:
+async def mark_merge_failed(conn: Conn, rollout_id: UUID, reason: str) -> None:
     await conn.execute(
         "UPDATE rollouts SET merge_error = $2 WHERE id = $1", rollout_id, clean_text(reason)
     )
 
 
-async def harness_metrics(conn: asyncpg.Connection) -> list[asyncpg.Record]:
+async def harness_metrics(conn: Conn) -> list[asyncpg.Record]:
     """Merge statistics summed per harness (from the user agent of each rollout's calls)."""
     return await conn.fetch(
         """

@@ -253,7 +253,7 @@ def _with_text(turn: dict | None, out: list[dict], text) -> dict:
     return turn
 
 
-def _caller_message(item: Item, where: str, call_ids: set[str]) -> dict:
+def _caller_message(item: Message | FunctionCallOutput, where: str, call_ids: set[str]) -> dict:
     """The chat message of an item from the caller's side: a function call's output (of a
     call made earlier) or a user, system or developer message."""
     if isinstance(item, FunctionCallOutput):
