@@ -4,6 +4,8 @@ middleware that turns every failure into the caller's protocol's error shape."""
 from __future__ import annotations
 
 import logging
+import uuid
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -116,23 +118,12 @@ async def started_streams(request: web.Request, handler):
         return started
 
 
-def _model_route(proto: Adapter):
-    async def handler(request: web.Request) -> web.StreamResponse:
-        app = request.app
-        admission = app[ADMISSION]
-        rollout_id = await app[ROLLOUT_KEYS].rollout_for(request.headers)
-        request[ROLLOUT_ID] = rollout_id
-        with admission.rollout_share(request, rollout_id):
-            raw = await traffic.read_body(request, app[CONFIG].body_timeout_s)
-            with admission.gateway_slot(request):
-                return await app[PIPELINE].serve(request, proto, raw, rollout_id)
-
-    return handler
-
-
-async def count_tokens(request: web.Request) -> web.Response:
-    """Anthropic's token counter, answered by the engine's own tokenizer and chat template,
-    under the same shares and limit as the model calls (it costs the engine a render)."""
+async def _admitted(
+    request: web.Request,
+    serve: Callable[[web.Request, bytes, uuid.UUID], Awaitable[web.StreamResponse]],
+) -> web.StreamResponse:
+    """A rollout's request through admission: its key, a place in its rollout's share from the
+    head on, its body read, then a gateway slot while `serve` answers it."""
     app = request.app
     admission = app[ADMISSION]
     rollout_id = await app[ROLLOUT_KEYS].rollout_for(request.headers)
@@ -140,10 +131,25 @@ async def count_tokens(request: web.Request) -> web.Response:
     with admission.rollout_share(request, rollout_id):
         raw = await traffic.read_body(request, app[CONFIG].body_timeout_s)
         with admission.gateway_slot(request):
-            return await _count_tokens(app, raw, rollout_id)
+            return await serve(request, raw, rollout_id)
 
 
-async def _count_tokens(app: web.Application, raw: bytes, rollout_id) -> web.Response:
+def _model_route(proto: Adapter):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await _admitted(
+            request, lambda r, raw, rid: r.app[PIPELINE].serve(r, proto, raw, rid))
+
+    return handler
+
+
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    """Anthropic's token counter, answered by the engine's own tokenizer and chat template,
+    under the same shares and limit as the model calls (it costs the engine a render)."""
+    return await _admitted(request, _count_tokens)
+
+
+async def _count_tokens(request: web.Request, raw: bytes, rollout_id: uuid.UUID) -> web.Response:
+    app = request.app
     upstreams = app[UPSTREAMS]
     req = anthropic.parse_count_tokens(raw)
     body = anthropic.count_tokens_request(req)

@@ -16,7 +16,12 @@ import pytest
 
 from tests.support.gateway import GatewayProcess, free_port
 from tests.support.streams import OpenStream, long_stream_body
-from tests.support.vllm import TINY_MAX_MODEL_LEN, TINY_MODEL_NAME, VLLM_READY_TIMEOUT_S
+from tests.support.vllm import (
+    TINY_MAX_MODEL_LEN,
+    TINY_MODEL_NAME,
+    VLLM_READY_TIMEOUT_S,
+    wait_engine_idle,
+)
 from trainer_bridge.serve_model import start_vllm
 
 
@@ -56,18 +61,6 @@ def _short_call(rollout: dict, model: str, stream: bool = False):
         messages=[{"role": "user", "content": "hi"}])
     if stream:
         list(out)
-
-
-def _engine_idle(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        text = httpx.get(url + "/metrics", timeout=5).text
-        running = [line for line in text.splitlines()
-                   if line.startswith("vllm:num_requests_running")]
-        if running and all(float(line.rsplit(" ", 1)[1]) == 0 for line in running):
-            return
-        assert time.monotonic() < deadline, running
-        time.sleep(0.2)
 
 
 def _state(gw: GatewayProcess, url: str) -> str:
@@ -281,7 +274,7 @@ def test_one_rollouts_long_calls_do_not_eject_the_replica_others_use(
                            headers={"Authorization": f"Bearer {hog['api_key']}"})
             assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"], r.text
         assert _state(gw, vllm_server.url) == "healthy"
-        _engine_idle(vllm_server.url)  # the hog's requests were aborted; the engine is free
+        wait_engine_idle(vllm_server.url, 60)  # the hog's requests were aborted; the engine is free
         _short_call(other, vllm_server.model)
         assert [c["status"] for c in gw.calls(other["rollout_id"])] == ["ok"]
     finally:

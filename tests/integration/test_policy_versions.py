@@ -12,6 +12,8 @@ import time
 import httpx
 import openai
 
+from tests.support.vllm import wait_engine_idle
+
 
 def test_streamed_response_straddling_a_sync_has_per_token_versions(gateway, vllm_server):
     assert gateway.admin.post("/admin/policy", json={"version": 1}).status_code == 200
@@ -93,18 +95,6 @@ def test_non_streamed_call_gets_the_older_version(gateway, vllm_server):
     assert set(call_rec["versions"]) == {5}
 
 
-def _engine_done(vllm_url: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        text = httpx.get(vllm_url + "/metrics", timeout=5).text
-        running = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("vllm:num_requests_running")]
-        if running and not any(running):
-            return
-        assert time.monotonic() < deadline, "the engine never finished the reply"
-        time.sleep(0.2)
-
-
 def test_a_client_that_stalls_across_a_sync_keeps_its_tokens_sampling_version(gateway,
                                                                                vllm_server):
     """Issue #28, attack 7: the engine finished a long reply under one version while its client
@@ -127,7 +117,7 @@ def test_a_client_that_stalls_across_a_sync_keeps_its_tokens_sampling_version(ga
                       + body).encode())
         first = sock.recv(2048)
         assert b" 200 " in first.split(b"\r\n", 1)[0], first[:200]
-        _engine_done(vllm_server.url)  # the client reads nothing meanwhile
+        wait_engine_idle(vllm_server.url)  # the client reads nothing meanwhile
         assert gateway.admin.post("/admin/policy", json={"version": 11}).status_code == 200
         rest = bytearray(first)
         while chunk := sock.recv(1 << 16):

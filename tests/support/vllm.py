@@ -19,8 +19,11 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from trainer_bridge import tiny_model
 
@@ -102,3 +105,16 @@ class VllmServer:
     model: str  # the served model name to put in requests
     model_dir: Path
     log_path: Path
+
+
+def wait_engine_idle(vllm_url: str, timeout: float = 300) -> None:
+    """Until the engine runs no request (its `vllm:num_requests_running` gauges are all 0)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(vllm_url + "/metrics", timeout=5).text
+        running = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:num_requests_running")]
+        if running and not any(running):
+            return
+        assert time.monotonic() < deadline, f"the engine still runs requests: {running}"
+        time.sleep(0.2)
