@@ -152,7 +152,9 @@ def judge(end: End, exit_code: int | None, expected: frozenset[str],
         raise Tampered("a test reported twice")
     if end.exitstatus != exit_code:
         raise Tampered(f"exit code {exit_code} but the report says {end.exitstatus}")
-    if end.exitstatus == 0 and {"failed", "error"} & set(outcomes.values()):
+    ours = (sentinels.passing, sentinels.failing)
+    if end.exitstatus == 0 and {"failed", "error"} & {
+            o for t, o in outcomes.items() if t.rpartition("::")[2] not in ours}:
         raise Tampered("exit status 0 with failed tests")
     if "collected" in outcomes.values():
         raise Tampered("a collection record in a test run")
@@ -248,7 +250,7 @@ def score_command(kind: RewardKind, outcome: ProcessOutcome) -> Scored:
     return Scored(value, "script output")
 
 
-def _drain(fd: int) -> bytes:
+def drain(fd: int) -> bytes:
     """Everything written to the pipe until every writer is gone, keeping CHANNEL_LIMIT + 1
     bytes at most (enough to tell too much)."""
     kept = bytearray()
@@ -275,7 +277,7 @@ async def launch(run: Run, command: str, python: str, sentinel: str | None = Non
     # Written from a thread: a task of many files may not fit the pipe's buffer.
     writer = asyncio.ensure_future(asyncio.to_thread(_feed, key_w, msgspec.json.encode(setup)))
     read_fd, write_fd = os.pipe()
-    reader = asyncio.ensure_future(asyncio.to_thread(_drain, read_fd))
+    reader = asyncio.ensure_future(asyncio.to_thread(drain, read_fd))
     extra = {**env, pytest_report.KEY_ENV: str(key_r), pytest_report.REPORT_ENV: str(write_fd)}
     try:
         outcome = await run([python, "-I", LAUNCHER, *args], extra, (key_r, write_fd))

@@ -85,6 +85,7 @@ from sandbox.confine import (
     stage_script,
     tools,
 )
+from sandbox.harbor import seal as seal_module
 from sandbox.limits import make_preexec
 from sandbox.relay import Relay, inside_port
 
@@ -181,11 +182,22 @@ class BwrapEnvironment(BaseEnvironment):
     default 1024), ro_paths (host paths bound read-only at their own paths, e.g. the project's
     pinned harness CLIs, so that agents find them instead of installing from the network),
     path (directories put first on PATH) and rootfs (`image`: the task's image when it names
-    one, the default; `host`: the host's system directories)."""
+    one, the default; `host`: the host's system directories), seal (the verifier's pytest
+    runs: `judge` them against seal_expected, each run's expected tests; `collect` the
+    expected tests, with the workdir's modules stubbed when seal_stub; `off`, the default: no
+    seal, as with any other Harbor environment; see seal.py)."""
 
     def __init__(self, *args, gateway_url: str | None = None, disk_mb: int | str = 1024,
                  ro_paths: list[str] | str = (), path: list[str] | str = (),
-                 rootfs: str = "image", **kwargs) -> None:
+                 rootfs: str = "image", seal: str = "off",
+                 seal_expected: list[list[str]] | None = None, seal_stub: bool = False,
+                 **kwargs) -> None:
+        if seal not in ("off", "collect", "judge"):
+            raise ValueError(f"seal={seal!r}: give judge, collect or off")
+        self._seal_mode, self._seal_stub = seal, bool(seal_stub)
+        self._seal_expected = [list(tests) for tests in seal_expected or []]
+        self._seal: seal_module.Pipes | None = None
+        self.seal_report: seal_module.SealReport | None = None
         if rootfs not in ("image", "host"):
             raise ValueError(f"rootfs={rootfs!r}: give rootfs=image (the task's image) or "
                              f"rootfs=host (the host's system directories)")
@@ -321,6 +333,8 @@ class BwrapEnvironment(BaseEnvironment):
                 "size_mb": (config.storage_mb or self._disk_mb) + VERIFIER_MARGIN_MB,
                 "system": self._system, "copy": top[0] if top else None,
                 "workdir": self._workdir}
+        if self._seal_mode != "off":
+            spec["seal"] = {"dir": seal_module.SEAL_DIR, "files": seal_module.view_files()}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", VIEW_SCRIPT, json.dumps(spec),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -334,6 +348,8 @@ class BwrapEnvironment(BaseEnvironment):
             raise RuntimeError(f"the verifier's view did not start: {err}")
         home = "/tmp" if spec["copy"] == "root" else "/root"
         self._verifier = _Verifier(proc, int(line.split()[1]), uid, home)
+        if self._seal_mode != "off":
+            self._seal = seal_module.Pipes.open(self._seal_mode == "collect", self._seal_stub)
 
     async def end_verification(self) -> None:
         """An agent phase starts again (a multi-step task's next step): the verifier's
@@ -348,6 +364,13 @@ class BwrapEnvironment(BaseEnvironment):
                 if os.stat(f"/proc/{pid}").st_uid == verifier.uid:
                     os.kill(pid, signal.SIGKILL)
         await verifier.process.wait()
+        if self._seal is not None:
+            pipes, self._seal = self._seal, None
+            channel = await pipes.close()
+            self.seal_report = (
+                seal_module.collect_report(channel, pipes.setups)
+                if self._seal_mode == "collect" else
+                seal_module.judge_report(channel, pipes.setups, self._seal_expected))
 
     async def stop(self, delete: bool) -> None:
         await self.end_verification()
@@ -377,17 +400,25 @@ class BwrapEnvironment(BaseEnvironment):
                    ) -> tuple[int, bytes, bytes]:
         if self._pid is None:
             raise RuntimeError("the environment is not started")
+        fds: tuple[int, ...] = ()
         if (verifier := self._verifier) is not None:
-            # The verifier's PATH is the system's only: the agent's pinned CLIs are not its.
-            argv = exec_argv(verifier.holder, command, cwd or self._workdir,
-                             {"HOME": verifier.home, **(env or {})}, PATH, verifier.uid)
+            # The verifier's PATH is the system's only (the agent's pinned CLIs are not its),
+            # after the seal's shims; the seal's pipes are its children's.
+            own = {"HOME": verifier.home, **(env or {})}
+            path = PATH
+            if (pipes := self._seal) is not None:
+                fds = (pipes.key_r, pipes.report_w)
+                own.update(seal_module.env(*fds))
+                path = seal_module.path(PATH)
+            argv = exec_argv(verifier.holder, command, cwd or self._workdir, own, path,
+                             verifier.uid)
         else:
             argv = exec_argv(self._pid, command, cwd or self._workdir, env or {}, self._path)
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else
             asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True, env={"PATH": PATH},
-            preexec_fn=self._join_cgroup())
+            preexec_fn=self._join_cgroup(), pass_fds=fds)
         try:
             out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_sec)
         except (TimeoutError, asyncio.CancelledError):

@@ -27,6 +27,20 @@ class TrialRequest(msgspec.Struct, frozen=True, tag="trial"):
     environment_kwargs: dict[str, Any] = {}
 
 
+class SealReport(msgspec.Struct, frozen=True):
+    """What the sealed channel said of one verifier phase (sandbox/harbor/seal.py).
+    `runs`: the sealed pytest runs that started; `expected` (collect): each run's test node
+    ids; `problem` (judge): why the report is not whole or the tests did not all run, None
+    when it is; `passed`/`total`: the expected tests that passed, over every run."""
+
+    mode: str
+    runs: int
+    expected: list[list[str]] = []
+    problem: str | None = None
+    passed: int = 0
+    total: int = 0
+
+
 class TrialReply(msgspec.Struct, frozen=True, tag="reply"):
     id: int
     rewards: dict[str, float] | None
@@ -39,6 +53,8 @@ class TrialReply(msgspec.Struct, frozen=True, tag="reply"):
     trial_dir: str | None = None
     # A failure of the worker itself around the trial (bad agent name, task that does not load).
     error: str | None = None
+    # What the sealed channel said of the verifier's pytest runs (bwrap environment, seal on).
+    seal: SealReport | None = None
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel"):

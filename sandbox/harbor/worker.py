@@ -84,6 +84,8 @@ async def run_trial(request: TrialRequest) -> TrialReply:
     from harbor.models.trial.config import TaskConfig, TrialConfig
     from harbor.trial.trial import Trial
 
+    from sandbox.harbor.environment import BwrapEnvironment
+
     try:
         config = TrialConfig(
             task=TaskConfig(path=request.task_dir),
@@ -106,6 +108,7 @@ async def run_trial(request: TrialRequest) -> TrialReply:
     if (whole := _seconds(result)) is not None:
         phases["trial"] = whole
     rewards = result.verifier_result.rewards if result.verifier_result else None
+    environment = trial.agent_environment
     return TrialReply(
         id=request.id,
         rewards={k: float(v) for k, v in rewards.items()} if rewards else None,
@@ -114,6 +117,7 @@ async def run_trial(request: TrialRequest) -> TrialReply:
         failure_cause=getattr(cause, "value", cause) if cause is not None else None,
         phases=phases,
         trial_dir=str(os.path.join(request.trials_dir, request.trial_name)),
+        seal=environment.seal_report if isinstance(environment, BwrapEnvironment) else None,
     )
 
 
