@@ -260,7 +260,7 @@ def _findable(harness) -> bool:
 def _summary(args: argparse.Namespace, report, backend) -> list:
     """Print the run's summary table and notes; returns the finished rollouts (with --state,
     those of earlier runs of the state file too)."""
-    from sandbox.summary import format_table, isolation_line, summarize
+    from sandbox.summary import format_table, isolation_line, summarize, unsealed_lines
 
     records = list(report.finished)
     if args.state:
@@ -273,6 +273,8 @@ def _summary(args: argparse.Namespace, report, backend) -> list:
     print()
     print(format_table(summarize(records, errors)))
     print(isolation_line(records, args.isolation))
+    for line in unsealed_lines(records):
+        print(line)
     if getattr(backend, "trials_dir", None):
         print(f"Harbor trials: {backend.trials_dir}")
     if report.skipped:

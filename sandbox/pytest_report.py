@@ -84,6 +84,11 @@ def pytest_command(command: str) -> tuple[dict[str, str], list[str]]:
     raise ValueError(accepted)
 
 
+def runs_pytest(command: str) -> bool:
+    """Whether a shell command names pytest (`pytest`, `py.test`, `-m pytest`), anywhere."""
+    return bool(re.search(r"(^|[\s;&|(`/])(py\.test|pytest)(\s|$|;|&|\||\))", command))
+
+
 def seal(mac, seq: int, body: bytes) -> bytes:
     """One record: PREFIX, the JSON body, the hex HMAC of `seq` and the body."""
     h = mac.copy()

@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from sandbox.harbor.seal import UNSEALED
 from sandbox.state import FinishedRollout
 
 SHOWN_REWARDS = 16
@@ -124,3 +125,10 @@ def error_line(task_id: str, repeat: int, member: int, message: str, done: int,
                total: int) -> str:
     width = len(str(total))
     return f"[{done:>{width}}/{total}] {task_id} r{repeat} m{member}  ERROR    {message}"
+
+
+def unsealed_lines(records: Iterable[FinishedRollout]) -> list[str]:
+    """One line a task whose verdict its tested code could change (a Harbor task whose
+    verifier runs no sealed pytest), so that a user knows which rewards to trust."""
+    tasks = sorted({r.task_id for r in records if UNSEALED in r.reward_detail})
+    return [f"{task}: {UNSEALED}" for task in tasks]

@@ -15,7 +15,8 @@ Reward kinds:
   before its report (the tested code exited, crashed, or ran out of a resource), or that was
   interrupted (KeyboardInterrupt, `pytest.exit`, tests that do not collect), scores 0.
 - `binary`: 1.0 if the command exits 0, else 0.0. It trusts the exit status, which the tested
-  code controls (`os._exit(0)` at import passes).
+  code controls (`os._exit(0)` at import passes): a task file that gives it a pytest command
+  is refused (tasks.py), saying to use `pytest`.
 - `script`: the number the command prints on its last non-empty stdout line; it trusts whatever
   the command prints, which the tested code can print too.
 
@@ -144,15 +145,17 @@ def _file(nodeid: str) -> str:
 
 
 def judge(end: End, exit_code: int | None, expected: frozenset[str],
-          sentinels: Sentinels) -> Counts:
+          sentinels: Sentinels, *, hidden: bool = False) -> Counts:
     """The expected tests that passed, from a whole end record. Raises Tampered where the
-    record contradicts itself, the process, the expected tests or the sentinels. Pure."""
+    record contradicts itself, the process, the expected tests or the sentinels. `hidden`:
+    the sentinels ran out of the session's sight (Harbor), so their outcomes are not in its
+    exit status. Pure."""
     outcomes = dict(end.outcomes)
     if len(outcomes) != len(end.outcomes):
         raise Tampered("a test reported twice")
     if end.exitstatus != exit_code:
         raise Tampered(f"exit code {exit_code} but the report says {end.exitstatus}")
-    ours = (sentinels.passing, sentinels.failing)
+    ours = (sentinels.passing, sentinels.failing) if hidden else ()
     if end.exitstatus == 0 and {"failed", "error"} & {
             o for t, o in outcomes.items() if t.rpartition("::")[2] not in ours}:
         raise Tampered("exit status 0 with failed tests")

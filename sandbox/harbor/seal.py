@@ -175,7 +175,8 @@ def judge_report(channel: bytes, setups: Sequence[Setup],
             if end is None:
                 raise Tampered("the tests ended before their report: the tested code exited, "
                                "crashed or ran out of a resource")
-            counts = judge(end, end.exitstatus, frozenset(tests), setup.sentinels)
+            counts = judge(end, end.exitstatus, frozenset(tests), setup.sentinels,
+                           hidden=True)
             passed, total = passed + counts.passed, total + counts.total
             if end.exitstatus == 2:
                 raise Tampered("the test run was interrupted")

@@ -10,6 +10,7 @@ from tests.support.forged_tasks import ATTEMPTS, forged_task, pytest_lib
 from tests.support.harbor import REPO, needs_harbor, rollouts
 
 SHELL_AGENT = "tests.support.harbor_agents:ShellAgent"
+EXAMPLES = REPO / "examples" / "harbor"
 # Outside /tmp and /root, which the verifier's view makes afresh; `build/` is ignored by git.
 PYTEST_LIB = REPO / "build" / "harbor-pytest"
 
@@ -34,3 +35,55 @@ def test_repro_table(gateway, tmp_path):
     for name, s in sorted(states.items()):
         print("REPRO", name, s["status"], s["reward"], s["metrics"].get("harbor_rewards"),
               s.get("reward_detail") or s["metrics"].get("reward_detail"))
+
+
+def assert_sealed(states: dict[str, dict]) -> None:
+    """The honest right answer keeps 1.0 (and its other reward key); the honest wrong one
+    scores 0; no forgery scores more, and one that fooled test.sh is `tampered`."""
+    right = states["honest-right"]
+    assert (right["status"], right["reward"]) == ("finished", 1.0), right
+    assert right["metrics"]["harbor_rewards"] == {"checked": 1.0}
+    assert right["metrics"]["harbor_seal"] == "sealed: 3/3 expected tests passed"
+    wrong = states["honest-wrong"]["reward"]
+    assert wrong == 0.0, states["honest-wrong"]
+    for name, state in states.items():
+        if name == "honest-right":
+            continue
+        assert state["status"] == "finished" and state["reward"] <= wrong, (name, state)
+        fooled = state["metrics"]["harbor_seal"].startswith("test.sh gave 1")
+        assert (state["metrics"]["sandbox_status"] == "tampered") == fooled, (name, state)
+
+
+@needs_harbor
+def test_no_forged_verdict_outscores_the_honest_wrong_answer(gateway, tmp_path):
+    """Every attempt (the issue's table and our variants) on the bwrap environment, on the
+    host's system directories. Collection runs once per task on the oracle's files."""
+    out, states = run_attempts(gateway, tmp_path)
+    assert_sealed(states)
+    assert "verdict unsealed" not in out
+    trials = list((tmp_path / f"trials-{SHELL_AGENT}").glob("*__collect"))
+    assert len(trials) == len(ATTEMPTS), trials
+
+
+TABLE = ("honest-wrong", "honest-right", "os-exit", "runtest-noop", "pytest-exit",
+         "shadow-pytest", "conftest-skip", "atexit-exit", "report-fd")
+
+
+@needs_harbor
+def test_forged_verdicts_on_the_tasks_own_image(gateway, base_image, tmp_path):
+    """The table's rows on a task image (FROM the base image, whose Python has pytest): the
+    seal directory is in the view whatever the root filesystem."""
+    tasks = tmp_path / "tasks"
+    for name in TABLE:
+        forged_task(tasks, name, ATTEMPTS[name], base_image=base_image)
+    _, states, _ = rollouts(gateway, tmp_path, tasks, SHELL_AGENT, rootfs="image")
+    assert_sealed(states)
+
+
+@needs_harbor
+def test_a_verifier_without_pytest_is_said_to_be_unsealed(gateway, tmp_path):
+    """examples/harbor/hello-world's test.sh compares a file: its reward stands, and the run's
+    summary says the tested code could change it."""
+    out, states, _ = rollouts(gateway, tmp_path, EXAMPLES / "hello-world", "oracle")
+    assert states["hello-world"]["reward"] == 1.0
+    assert "hello-world: verdict unsealed: the tested code can change it" in out

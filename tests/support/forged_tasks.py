@@ -121,7 +121,7 @@ def forged_task(root: Path, name: str, files: dict[str, str], *, pythonpath: str
     return task
 
 
-PYTEST_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py.py")
+PYTEST_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py.py")
 
 
 def pytest_lib(where: Path) -> Path:
