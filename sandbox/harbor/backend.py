@@ -8,7 +8,10 @@ credential, and turns the trial's result into a SandboxResult:
   to the rollout's metrics;
 - `reward_valid` false (the environment did not start or become healthy, the verifier left no
   reward, ...): an infrastructure failure, not a wrong answer: status `setup_failed`, reward
-  None (unscorable), Harbor's failure cause and exception in the metrics and the detail.
+  None (unscorable), Harbor's failure cause and exception in the metrics and the detail;
+- an agent that failed (exited non-zero, a reply it could not use: the model's doing) is judged
+  by its work: the worker lets the verifier run on the workdir as left (worker.py), and where
+  that gives no reward the rollout scores 0, never None.
 
 On the bwrap environment the verifier's pytest runs are sealed (seal.py): before a task's first
 rollout, one collection trial (the oracle where the task has a solution, else nop with the
@@ -73,6 +76,10 @@ def trial_outcome(reply: TrialReply, reward_key: str = "reward",
         metrics["harbor_error"] = reply.error
         return TrialOutcome("setup_failed", None, f"unscorable: harbor: {reply.error}", metrics)
     rewards = reply.rewards or {}
+    if not reply.reward_valid and reply.agent_error:
+        metrics["harbor_agent_error"] = reply.agent_error
+        return TrialOutcome("ok", 0.0, "the agent failed and its work could not be verified: "
+                            f"0 ({reply.agent_error.splitlines()[0]})", metrics)
     if not reply.reward_valid:
         cause = reply.failure_cause or "no reward"
         why = f"{cause}: {reply.exception}" if reply.exception else cause
@@ -89,6 +96,9 @@ def trial_outcome(reply: TrialReply, reward_key: str = "reward",
     detail = f"harbor {reward_key}={rewards[reward_key]:g}"
     if reply.exception:  # graded as Harbor grades it, e.g. an agent that ran out of time
         detail += f" ({reply.exception.splitlines()[0]})"
+    if reply.agent_error:  # the model's doing: judged by the work it left, never unscorable
+        metrics["harbor_agent_error"] = reply.agent_error
+        detail += f" (the agent failed, judged by its work: {reply.agent_error.splitlines()[0]})"
     reward, tampered, verdict = sealed_reward(rewards[reward_key], reply.seal,
                                               is_sealed(collected))
     metrics["harbor_seal"] = verdict

@@ -55,6 +55,8 @@ class TrialReply(msgspec.Struct, frozen=True, tag="reply"):
     error: str | None = None
     # What the sealed channel said of the verifier's pytest runs (bwrap environment, seal on).
     seal: SealReport | None = None
+    # The agent failed (type: message) and the verifier judged the workdir as it left it.
+    agent_error: str | None = None
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel"):

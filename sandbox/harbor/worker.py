@@ -74,6 +74,26 @@ def _phase_hooks(trial) -> None:
     trial.add_hook(TrialEvent.AGENT_START, agent)
 
 
+def _judged_by_its_work(trial) -> list[str]:
+    """An agent that fails (exits non-zero, a reply it cannot parse, a context it overflowed)
+    is the policy's doing: Harbor would leave the trial ungraded, an unscorable rollout that
+    leaves its group's baseline, a way out of a bad reward that RL finds. Its failure is kept
+    aside instead and the verifier runs on the workdir as the agent left it. Returns where the
+    failure is noted."""
+    failures: list[str] = []
+    agent = trial.agent
+    run = agent.run
+
+    async def run_judged(*args, **kwargs):
+        try:
+            return await run(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 (noted, and the trial goes on to its verifier)
+            failures.append(f"{type(exc).__name__}: {exc}"[:2000])
+
+    agent.run = run_judged
+    return failures
+
+
 def _seconds(timing) -> float | None:
     if timing is None or timing.started_at is None or timing.finished_at is None:
         return None
@@ -96,6 +116,7 @@ async def run_trial(request: TrialRequest) -> TrialReply:
         )
         trial = await Trial.create(config)
         _phase_hooks(trial)
+        agent_failures = _judged_by_its_work(trial)
         result = await trial.run()
     except Exception as exc:  # the trial never ran: the caller reports it as this rollout's
         return TrialReply(id=request.id, rewards=None, reward_valid=False,
@@ -118,6 +139,7 @@ async def run_trial(request: TrialRequest) -> TrialReply:
         phases=phases,
         trial_dir=str(os.path.join(request.trials_dir, request.trial_name)),
         seal=environment.seal_report if isinstance(environment, BwrapEnvironment) else None,
+        agent_error=agent_failures[0] if agent_failures else None,
     )
 
 

@@ -70,6 +70,20 @@ def test_missing_reward_key_is_unscorable_and_says_which_keys_there_are():
     assert "--reward-key" in out.detail
 
 
+def test_an_agent_that_failed_is_judged_by_its_work():
+    """The model's doing (an agent exiting 1 after its calls) is never unscorable: the
+    verifier's reward where it gave one, else 0."""
+    error = "NonZeroAgentExitCodeError: codex exited 1\nIncomplete response returned"
+    judged = trial_outcome(TrialReply(id=1, rewards={"reward": 1.0}, reward_valid=True,
+                                      agent_error=error))
+    assert (judged.status, judged.reward) == ("ok", 1.0)
+    assert judged.metrics["harbor_agent_error"] == error
+    assert "judged by its work: NonZeroAgentExitCodeError" in judged.detail
+    unverified = trial_outcome(TrialReply(id=1, rewards=None, reward_valid=False,
+                                          failure_cause="verifier_failed", agent_error=error))
+    assert (unverified.status, unverified.reward) == ("ok", 0.0)
+
+
 def test_worker_error_is_unscorable():
     out = trial_outcome(TrialReply(id=1, rewards=None, reward_valid=False,
                                    error="ValueError: unknown agent"))
@@ -331,6 +345,15 @@ def offline_agent(gateway, tmp_path: Path, agent: str, model: str,
     return out, states["hello-world"]
 
 
+def websocket_attempts(gateway) -> int:
+    """The gateway's access lines of a GET on a model route (a WebSocket upgrade; the
+    gateway serves them over HTTP POST only)."""
+    from tests.integration.test_access_log import access_lines
+
+    return sum(line["method"] == "GET" and line["route"].endswith("/responses")
+               for line in access_lines(gateway))
+
+
 @needs_harbor
 @pytest.mark.parametrize(("agent", "provider", "protocol", "extra"), [
     ("claude-code", "", "anthropic", (
@@ -349,8 +372,11 @@ def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, a
     """A Harbor agent in the bwrap environment, using the project's pinned CLI or wheels
     (bound read-only, so Harbor skips its network install), against the gateway and the tiny
     model: its calls are recorded with the engine's ids and the trial gets Harbor's grade."""
+    refused_before = websocket_attempts(gateway)
     out, state = offline_agent(gateway, tmp_path, agent, provider + vllm_server.model, *extra)
     assert state["status"] == "finished" and state["reward"] == 0.0, (state, out)
+    # No WebSocket attempt at the Responses API (codex's own provider makes five, issue 38).
+    assert websocket_attempts(gateway) == refused_before
     calls = gateway.calls(state["rollout_id"])
     ok = [c for c in calls if c["status"] == "ok"]
     assert ok and all(c["protocol"] == protocol for c in calls), calls
