@@ -132,3 +132,29 @@ def unsealed_lines(records: Iterable[FinishedRollout]) -> list[str]:
     verifier runs no sealed pytest), so that a user knows which rewards to trust."""
     tasks = sorted({r.task_id for r in records if UNSEALED in r.reward_detail})
     return [f"{task}: {UNSEALED}" for task in tasks]
+
+
+def unscorable_cause(record: FinishedRollout) -> str:
+    """Why a rollout has no reward, in a word: Harbor's failure cause, else the sandbox's
+    status."""
+    detail = record.reward_detail
+    if detail.startswith("unscorable: "):
+        return detail.removeprefix("unscorable: ").split(":", 1)[0].strip() or "unscorable"
+    return record.sandbox_status
+
+
+def unscorable_lines(records: Iterable[FinishedRollout], max_share: float) -> list[str]:
+    """The unscorable rollouts by cause, and a warning above `max_share` of the run: an
+    unscorable rollout leaves its group's baseline, so many of them skew what is learnt."""
+    rows = list(records)
+    causes = Counter(unscorable_cause(r) for r in rows if r.reward is None)
+    if not causes:
+        return []
+    total = sum(causes.values())
+    lines = [f"unscorable: {total} of {len(rows)} ("
+             + ", ".join(f"{cause}: {n}" for cause, n in causes.most_common()) + ")"]
+    if total > max_share * len(rows):
+        lines.append(f"WARNING: {total / len(rows):.0%} of the rollouts are unscorable, above "
+                     f"--max-unscorable-share {max_share:g}: the environment is failing, not "
+                     "the policy; see each rollout's cause")
+    return lines

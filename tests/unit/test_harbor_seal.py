@@ -121,3 +121,26 @@ def test_shims_name_the_seal_directory_they_live_in():
     assert {"bin/pytest", "bin/python3", "pytest_report.py"} <= set(files)
     assert '"/somewhere/bin"' in files["bin/python3"][1]
     assert "-I /somewhere/pytest_report.py" in files["bin/pytest"][1]
+
+
+def _row(reward, detail, status="setup_failed"):
+    from sandbox.state import FinishedRollout
+
+    return FinishedRollout(task_id="t", repeat=0, member=0, rollout_id="r", group_id="g",
+                           status="failed" if reward is None else "finished",
+                           sandbox_status=status, reward=reward, reward_detail=detail,
+                           duration_s=1.0)
+
+
+def test_unscorable_rollouts_are_counted_by_cause_and_warned_above_a_share():
+    from sandbox.summary import unscorable_lines, unsealed_lines
+
+    rows = [_row(None, "unscorable: sandbox_failed: HealthcheckError"),
+            _row(None, "unscorable: sandbox_failed: x"), _row(None, "boom", "error"),
+            _row(1.0, f"harbor reward=1; {UNSEALED}", "ok"), *[_row(0.0, "x", "ok")] * 6]
+    lines = unscorable_lines(rows, 0.1)
+    assert lines[0] == "unscorable: 3 of 10 (sandbox_failed: 2, error: 1)"
+    assert lines[1].startswith("WARNING: 30% of the rollouts are unscorable")
+    assert unscorable_lines(rows, 0.5) == lines[:1]
+    assert unscorable_lines(rows[3:], 0.1) == []
+    assert unsealed_lines(rows) == [f"t: {UNSEALED}"]
