@@ -67,15 +67,10 @@ from sandbox import hostexec, images
 from sandbox.cgroup import Cgroup
 from sandbox.confine import (
     GATEWAY_SOCKET,
-    HOST_ROOT,
     NO_IMAGE_WITHOUT_ROOT,
-    RUN_DIR,
-    STAGED_ROOT,
-    SYSTEM_DIRS,
     Image,
     Phase,
     View,
-    host_system,
     mount_points,
     new_uid,
     outer_args,
@@ -86,6 +81,14 @@ from sandbox.confine import (
     tools,
 )
 from sandbox.harbor import seal as seal_module
+from sandbox.harbor.argv import (
+    PATH,
+    bind_parents,
+    exec_argv,
+    image_source,
+    sandbox_argv,
+    system_layout,
+)
 from sandbox.limits import make_preexec
 from sandbox.relay import Relay, inside_port
 
@@ -93,7 +96,6 @@ from sandbox.relay import Relay, inside_port
 DEFAULT_CPUS = 1.0
 DEFAULT_MEMORY_MB = 4096
 MAX_PROCS = 4096
-PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STARTUP_S = 30.0
 VIEW_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verifier_view.py")
 # The verifier's view holds a copy of the workdir's top directory besides its own files; the
@@ -107,73 +109,6 @@ FORWARDER = (
     "for i in $(seq 1000); do grep -q ':{hex} 00000000:0000 0A' /proc/net/tcp && exit 0; "
     "sleep 0.01; done; echo 'rolltap: the gateway forwarder did not start' >&2; exit 125"
 )
-
-
-def exec_argv(pid: int, command: str, cwd: str, env: dict[str, str],
-              path: str = PATH, uid: int | None = None) -> list[str]:
-    """The host command line that runs `command` (bash) inside the sandbox whose init is
-    `pid`, in `cwd`, with exactly `env` (plus PATH and HOME unless given): as the sandbox's
-    root, or with `uid` as that host uid in every namespace of `pid` but its user namespace
-    (the verifier, in its view's holder). Pure."""
-    full = {"PATH": path, "HOME": "/root", **env}
-    enter = (["--all"] if uid is None else
-             ["--mount", "--uts", "--ipc", "--net", "--pid", "--cgroup", f"--setuid={uid}",
-              f"--setgid={uid}"])
-    return ["nsenter", f"--target={pid}", *enter, "--root", "--",
-            "env", "-i", *(f"{k}={v}" for k, v in full.items()),
-            "bash", "-c", 'cd -- "$0" && eval "$1"', cwd, command]
-
-
-def system_layout(root: str) -> dict[str, str | None]:
-    """The system directories (confine.SYSTEM_DIRS) of a root filesystem on the host (the
-    host's `/` or an image's unpacked root): name -> link target, or None for a directory.
-    The verifier's view takes them from here, not from the sandbox the agent could change."""
-    layout: dict[str, str | None] = {}
-    for name in SYSTEM_DIRS:
-        path = os.path.join(root, name)
-        if os.path.islink(path):
-            layout[name] = os.readlink(path)
-        elif os.path.isdir(path):
-            layout[name] = None
-    return layout
-
-
-def image_source(docker_image: str | None, environment_dir: Path) -> tuple[str | None, str | None]:
-    """(reference, Dockerfile directory) of a task's image, as Harbor's docker backend takes
-    it: a prebuilt `docker_image` first, else `environment/Dockerfile`; (None, None) without
-    either."""
-    if docker_image:
-        return docker_image, None
-    if (environment_dir / "Dockerfile").is_file():
-        return None, str(environment_dir)
-    return None, None
-
-
-def sandbox_argv(bwrap: str, disk_mb: int, socket: str | None, info_fd: int,
-                 read_only: tuple[str, ...] = (),
-                 staged: dict[str, str] | None = None) -> list[str]:
-    """The long-lived sandbox: bwrap's init as PID 1 and `sleep infinity` to keep it, after a
-    line on stdout that says its filesystem is in place (bwrap reports the PID on `info_fd`
-    before it has built the root). With `staged` (where the root stage put each host source),
-    `/` is the stage's image overlay and the host's system directories are under HOST_ROOT.
-    Pure."""
-
-    def src(path: str) -> str:
-        return staged[path] if staged is not None else path
-
-    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--uid", "0", "--gid", "0", "--hostname", "sandbox"]
-    args += (["--size", str(disk_mb << 20), "--tmpfs", "/", *host_system()] if staged is None
-             else ["--bind", STAGED_ROOT, "/", "--tmpfs", RUN_DIR, *host_system(HOST_ROOT)])
-    args += ["--proc", "/proc", "--dev", "/dev", "--dir", "/tmp", "--dir", "/root",
-             "--info-fd", str(info_fd)]
-    for bind in ro_binds(read_only):
-        args += ["--ro-bind", src(bind.source), bind.dest]
-    if socket is not None:
-        args += ["--ro-bind", src(socket), GATEWAY_SOCKET]
-    if staged is not None:
-        args += ["--remount-ro", RUN_DIR]
-    return [*args, "--", "sh", "-c", "echo ready && exec sleep infinity"]
 
 
 class BwrapEnvironment(BaseEnvironment):
@@ -301,6 +236,11 @@ class BwrapEnvironment(BaseEnvironment):
         self._pid = json.loads(info)["child-pid"]
         dirs = ["/logs/agent", "/logs/verifier", "/logs/artifacts", self._workdir]
         await self._must(f"mkdir -p {' '.join(shlex.quote(d) for d in dirs)}")
+        if parents := bind_parents(self._read_only):
+            # bwrap makes the directories above a bind 0700, which only the sandbox's root
+            # may enter: the verifier, another uid, could not reach what is bound there.
+            await self._must(f"chmod a+rx {' '.join(map(shlex.quote, parents))} 2>/dev/null "
+                             "|| true")
         if self._gateway_url:
             port = inside_port(self._gateway_url)
             socat = shlex.join(hostexec.wrap(["socat"])) if rootfs else "socat"

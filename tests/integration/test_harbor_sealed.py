@@ -28,15 +28,6 @@ def run_attempts(gateway, tmp_path: Path, *, oracle_is_attempt: bool = False,
     return out, states
 
 
-@needs_harbor
-def test_repro_table(gateway, tmp_path):
-    out, states = run_attempts(gateway, tmp_path, oracle_is_attempt=True)
-    print(out)
-    for name, s in sorted(states.items()):
-        print("REPRO", name, s["status"], s["reward"], s["metrics"].get("harbor_rewards"),
-              s.get("reward_detail") or s["metrics"].get("reward_detail"))
-
-
 def assert_sealed(states: dict[str, dict]) -> None:
     """The honest right answer keeps 1.0 (and its other reward key); the honest wrong one
     scores 0; no forgery scores more, and one that fooled test.sh is `tampered`."""
