@@ -137,6 +137,20 @@ def record_for(
     )
 
 
+UNANSWERED = ("unscorable: unanswered: the agent failed before the gateway answered any of "
+              "its calls")
+
+
+def answered_or_unscorable(result: SandboxResult, info: RolloutInfo) -> SandboxResult:
+    """A failed agent's judged result stands once the gateway answered one of its calls (the
+    model's replies made it fail); without one, the failure is outside the policy's reach (the
+    harness never started, the gateway refused): unscorable. Pure."""
+    if any(call.status == "ok" for call in info.calls):
+        return result
+    return msgspec.structs.replace(result, status="setup_failed", reward=None,
+                                   reward_detail=f"{UNANSWERED} ({result.reward_detail})")
+
+
 def failed_record(item: WorkItem, rollout_id: str, detail: str,
                   duration_s: float) -> FinishedRollout:
     """The state line of a rollout whose sandbox failed (the runner's or the machine's fault:
@@ -290,6 +304,11 @@ class _Run:
     async def complete(
         self, item: WorkItem, rid: str, result: SandboxResult, started: float
     ) -> None:
+        if result.agent_failed:
+            try:
+                result = answered_or_unscorable(result, await self.admin.get_rollout(rid))
+            except GatewayError:
+                pass  # judged by its work, as the backend said
         try:
             await self.admin.finish_rollout(
                 rid, reward=result.reward, status=result.gateway_status,

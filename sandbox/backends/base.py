@@ -58,6 +58,9 @@ class SandboxResult(msgspec.Struct, frozen=True):
     warnings: tuple[str, ...] = ()
     # Backend-specific facts for the rollout's metrics (Harbor: phases, extra reward keys).
     extra_metrics: dict = {}
+    # The agent failed and its work was judged: that holds only if the gateway answered one of
+    # its calls (the model's doing); else the runner makes it unscorable (the infrastructure's).
+    agent_failed: bool = False
 
     @property
     def gateway_status(self) -> GatewayStatus:

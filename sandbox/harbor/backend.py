@@ -263,7 +263,7 @@ class HarborBackend:
             status=outcome.status, reward=outcome.reward, reward_detail=outcome.detail,
             host=os.uname().nodename,
             isolation="bwrap" if self.environment == "bwrap" else "harbor",
-            extra_metrics=outcome.metrics)
+            extra_metrics=outcome.metrics, agent_failed=reply.agent_error is not None)
 
     async def aclose(self) -> None:
         if self._worker is None:

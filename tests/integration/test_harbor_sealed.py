@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from tests.support.forged_tasks import ATTEMPTS, forged_task, pytest_lib
@@ -78,3 +79,44 @@ def test_a_verifier_without_pytest_is_said_to_be_unsealed(gateway, tmp_path):
     out, states, _ = rollouts(gateway, tmp_path, EXAMPLES / "hello-world", "oracle")
     assert states["hello-world"]["reward"] == 1.0
     assert "hello-world: verdict unsealed: the tested code can change it" in out
+
+
+# The agent's work, then one model call through the gateway (or none), then exit 1.
+FAILING_AGENT = """echo "Hello, world!" > /app/hello.txt
+{call}
+exit 1
+"""
+CALL = """python3 - <<'PY'
+import json, os, urllib.request
+base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+def call(url, body=None):
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body else None,
+                                 headers={"Authorization": f"Bearer {key}",
+                                          "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)
+model = call(base + "/models")["data"][0]["id"]
+call(base + "/chat/completions", {"model": model, "max_tokens": 4,
+                                  "messages": [{"role": "user", "content": "hi"}]})
+PY"""
+
+
+@needs_harbor
+def test_an_agent_that_exits_1_is_judged_by_its_work(gateway, tmp_path):
+    """An agent that wrote the right answer, made a call the gateway answered, and exited 1
+    scores what the verifier gives (1.0), never null; one that failed before the gateway
+    answered anything is unscorable (issue 38)."""
+    tasks = tmp_path / "tasks"
+    for name, call in (("answered", CALL), ("unanswered", "")):
+        task = tasks / name
+        shutil.copytree(EXAMPLES / "hello-world", task)
+        (task / "instruction.md").write_text(FAILING_AGENT.format(call=call))
+    out, states, _ = rollouts(gateway, tmp_path, tasks, SHELL_AGENT)
+    answered = states["answered"]
+    assert (answered["status"], answered["reward"]) == ("finished", 1.0), (answered, out)
+    assert "RuntimeError: the attempt's script failed" in answered["metrics"][
+        "harbor_agent_error"]
+    assert [c["status"] for c in gateway.calls(answered["rollout_id"])] == ["ok"]
+    unanswered = states["unanswered"]
+    assert (unanswered["status"], unanswered["reward"]) == ("failed", None), unanswered
+    assert "unscorable: 1 of 2 (unanswered: 1)" in out

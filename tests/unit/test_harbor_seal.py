@@ -144,3 +144,18 @@ def test_unscorable_rollouts_are_counted_by_cause_and_warned_above_a_share():
     assert unscorable_lines(rows, 0.5) == lines[:1]
     assert unscorable_lines(rows[3:], 0.1) == []
     assert unsealed_lines(rows) == [f"t: {UNSEALED}"]
+
+
+def test_a_failed_agent_is_judged_only_once_the_gateway_answered_it():
+    from sandbox.backends.base import SandboxResult
+    from sandbox.gateway_client import CallInfo, RolloutInfo
+    from sandbox.runner import answered_or_unscorable
+
+    judged = SandboxResult(status="ok", reward=1.0, reward_detail="harbor reward=1",
+                           host="h", agent_failed=True)
+    answered = RolloutInfo("r", "running", calls=[CallInfo(0, "failed"), CallInfo(1, "ok")])
+    assert answered_or_unscorable(judged, answered) is judged
+    refused = answered_or_unscorable(judged, RolloutInfo("r", "running",
+                                                         calls=[CallInfo(0, "failed")]))
+    assert (refused.status, refused.reward) == ("setup_failed", None)
+    assert refused.reward_detail.startswith("unscorable: unanswered:")
