@@ -387,21 +387,55 @@ def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, a
 
 
 @needs_harbor
+def test_codex_stopped_by_max_output_tokens_is_judged_by_its_work(vllm_server, database_url,
+                                                                  tmp_path):
+    """A gateway whose --default-max-tokens binds: the model's reply is an incomplete
+    Responses reply, codex exits 1 ("Incomplete response returned"), Harbor would leave the
+    trial ungraded. The failure is the model's: the verifier judges the workdir as left (no
+    hello.txt: 0.0), never null (issue 38)."""
+    import tempfile
+
+    from tests.support.gateway import GatewayProcess
+
+    socket_dir = Path(tempfile.mkdtemp(prefix="rolltap-gw-"))
+    gw = GatewayProcess([vllm_server.url], database_url, "--default-max-tokens", "2",
+                        "--unix-socket", str(socket_dir / "gateway.sock"),
+                        log_path=tmp_path / "gateway.log")
+    gw.unix_socket = socket_dir / "gateway.sock"
+    gw.start()
+    try:
+        out, state = offline_agent(gw, tmp_path, "codex", vllm_server.model)
+        calls = gw.calls(state["rollout_id"])
+        attempts = websocket_attempts(gw)
+    finally:
+        gw.stop()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    assert (state["status"], state["reward"]) == ("finished", 0.0), (state, out)
+    assert "NonZeroAgentExitCodeError" in state["metrics"]["harbor_agent_error"], state
+    assert calls and all(c["protocol"] == "responses" for c in calls), calls
+    assert attempts == 0
+
+
+@needs_harbor
 def test_qwen_coder_starts_offline_and_overflows_the_tiny_models_context(gateway, vllm_server,
                                                                         tmp_path):
     """qwen-coder starts from the pinned CLI and calls the gateway, but its agent turn is
     longer than the tiny model's 32,768-token context: the call is recorded as failed with the
-    engine's context-length error, qwen exits 1, and Harbor does not grade the trial
-    (UnknownApiError, reward not valid): the rollout is unscorable with that error as its
-    cause."""
+    engine's context-length error and qwen exits 1. The agent failed: where the gateway
+    answered one of its calls (a side call may pass) that is the model's doing and the verifier
+    judges the workdir (0.0); where it answered none, the rollout is unscorable (issue 38)."""
     out, state = offline_agent(gateway, tmp_path, "qwen-coder", vllm_server.model)
-    assert (state["status"], state["reward"]) == ("failed", None), (state, out)
-    assert "maximum context length is 32768 tokens" in state["metrics"]["harbor_exception"]
     calls = gateway.calls(state["rollout_id"])
     assert calls and all(c["protocol"] == "chat" for c in calls), calls
-    # The agent's turn, recorded as failed with the engine's error (a side call may pass).
+    # The agent's turn, recorded as failed with the engine's error.
     failed = [c for c in calls if c["status"] == "failed"]
     assert failed and "maximum context length" in str(failed[0]["error"]), calls
+    assert "maximum context length is 32768 tokens" in state["metrics"]["harbor_agent_error"]
+    if any(c["status"] == "ok" for c in calls):
+        assert (state["status"], state["reward"]) == ("finished", 0.0), (state, out)
+    else:
+        assert (state["status"], state["reward"]) == ("failed", None), (state, out)
+        assert "unscorable: unanswered" in state["metrics"]["reward_detail"]
 
 
 PODMAN_MISSING = podman.missing(harbor_python())
