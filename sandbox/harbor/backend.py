@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import re
 import tempfile
 from typing import Any
 
@@ -108,6 +109,20 @@ def trial_outcome(reply: TrialReply, reward_key: str = "reward",
 
 def is_sealed(collected: SealReport | None) -> bool:
     return collected is not None and collected.problem is None and collected.runs > 0
+
+
+def mentions_pytest(tests_dir: str) -> bool:
+    """Whether any file of a task's tests/ names pytest: only then can its verifier run a
+    sealed pytest, and a collection trial is worth running."""
+    for dirpath, _, filenames in os.walk(tests_dir):
+        for name in filenames:
+            try:
+                with open(os.path.join(dirpath, name), "rb") as fh:
+                    if re.search(rb"pytest|py\.test", fh.read(1 << 20)):
+                        return True
+            except OSError:
+                continue
+    return False
 
 
 def harbor_python() -> str:
@@ -236,11 +251,14 @@ class HarborBackend:
         return await asyncio.shield(self._collected[task_dir])
 
     async def _collect(self, task_dir: str, task_id: str) -> SealReport | None:
+        if not mentions_pytest(os.path.join(task_dir, "tests")):
+            return None  # nothing to seal: no collection trial
         oracle = os.path.isfile(os.path.join(task_dir, "solution", "solve.sh"))
         reply = await self._trial(TrialRequest(
             id=next(self._ids), task_dir=task_dir, trial_name=f"{task_id}__collect",
-            trials_dir=self.trials_dir, agent="oracle" if oracle else "nop", model=None,
-            agent_env={}, environment=self.environment,
+            trials_dir=os.path.join(self.trials_dir, "collect"),
+            agent="oracle" if oracle else "nop", model=None, agent_env={},
+            environment=self.environment,
             environment_kwargs={**self.environment_kwargs, "seal": "collect",
                                 "seal_stub": not oracle}))
         return reply.seal

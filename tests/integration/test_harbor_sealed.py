@@ -53,7 +53,7 @@ def test_no_forged_verdict_outscores_the_honest_wrong_answer(gateway, tmp_path):
     out, states = run_attempts(gateway, tmp_path)
     assert_sealed(states)
     assert "verdict unsealed" not in out
-    trials = list((tmp_path / f"trials-{SHELL_AGENT}").glob("*__collect"))
+    trials = list((tmp_path / f"trials-{SHELL_AGENT}" / "collect").glob("*__collect"))
     assert len(trials) == len(ATTEMPTS), trials
 
 
