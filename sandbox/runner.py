@@ -286,7 +286,8 @@ class _Run:
             await _finish_interrupted(self.admin, rid)
             raise
         except Exception as exc:  # a backend failure is this rollout's, not the run's
-            await _finish_quietly(self.admin, rid, {"sandbox_error": repr(exc)})
+            await _finish_quietly(self.admin, rid, {"sandbox_error": repr(exc),
+                                                   "unscorable_cause": "sandbox_error"})
             if self.state:  # ended: a resumed run must not put a second rollout in its group
                 self.state.append(failed_record(item, rid, f"sandbox: {exc!r}",
                                                 time.monotonic() - started))

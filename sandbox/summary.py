@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from sandbox.backends.base import unscorable_cause
 from sandbox.harbor.seal import UNSEALED
 from sandbox.state import FinishedRollout
 
@@ -134,20 +135,12 @@ def unsealed_lines(records: Iterable[FinishedRollout]) -> list[str]:
     return [f"{task}: {UNSEALED}" for task in tasks]
 
 
-def unscorable_cause(record: FinishedRollout) -> str:
-    """Why a rollout has no reward, in a word: Harbor's failure cause, else the sandbox's
-    status."""
-    detail = record.reward_detail
-    if detail.startswith("unscorable: "):
-        return detail.removeprefix("unscorable: ").split(":", 1)[0].strip() or "unscorable"
-    return record.sandbox_status
-
-
 def unscorable_lines(records: Iterable[FinishedRollout], max_share: float) -> list[str]:
     """The unscorable rollouts by cause, and a warning above `max_share` of the run: an
     unscorable rollout leaves its group's baseline, so many of them skew what is learnt."""
     rows = list(records)
-    causes = Counter(unscorable_cause(r) for r in rows if r.reward is None)
+    causes = Counter(unscorable_cause(r.reward_detail, r.sandbox_status)
+                     for r in rows if r.reward is None)
     if not causes:
         return []
     total = sum(causes.values())

@@ -72,6 +72,8 @@ class SandboxResult(msgspec.Struct, frozen=True):
         did without the sandbox."""
         m: dict = {"sandbox_status": self.status, "reward_detail": self.reward_detail,
                    "host": self.host, "isolation": self.isolation}
+        if self.reward is None:  # counted by cause at the gateway (/metrics)
+            m["unscorable_cause"] = unscorable_cause(self.reward_detail, self.status)
         if self.warnings:
             m["warnings"] = list(self.warnings)
         m |= self.extra_metrics
@@ -97,6 +99,14 @@ class SandboxResult(msgspec.Struct, frozen=True):
         if self.status != "ok" and failed is not None:
             m["stderr_tail"] = failed.stderr[-ERROR_TAIL:]
         return m
+
+
+def unscorable_cause(detail: str, status: str) -> str:
+    """Why a rollout has no reward, in a word: the cause its detail names after
+    `unscorable:` (Harbor's failure cause, `unanswered`), else its sandbox status. Pure."""
+    if detail.startswith("unscorable: "):
+        return detail.removeprefix("unscorable: ").split(":", 1)[0].strip() or "unscorable"
+    return status
 
 
 def decide_reward(

@@ -219,6 +219,12 @@ def test_oracle_scores_and_infrastructure_failure_is_unscorable(gateway, vllm_se
     assert "unscorable: sandbox_failed: HealthcheckError" in out
     # Harbor's retries are off: the failed trial ran once, as one rollout.
     assert len(list(trials.glob("unhealthy__*"))) == 1
+    # Counted by cause in the summary and at the gateway (issue 38).
+    assert "unscorable: 1 of 4 (sandbox_failed: 1)" in out
+    assert sick["metrics"]["unscorable_cause"] == "sandbox_failed"
+    time.sleep(10.5)  # the database-derived gauges are refreshed at most every 10 s
+    assert 'rolltap_rollouts_unscorable{cause="sandbox_failed"}' in gateway.admin.get(
+        "/metrics").text
 
 
 @needs_harbor
