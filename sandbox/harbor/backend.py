@@ -102,6 +102,8 @@ def trial_outcome(reply: TrialReply, reward_key: str = "reward",
         detail += f" (the agent failed, judged by its work: {reply.agent_error.splitlines()[0]})"
     reward, tampered, verdict = sealed_reward(rewards[reward_key], reply.seal,
                                               is_sealed(collected))
+    if collected is not None and collected.problem is not None:
+        verdict += f" (collecting its tests: {collected.problem})"
     metrics["harbor_seal"] = verdict
     return TrialOutcome("tampered" if tampered else "ok", reward, f"{detail}; {verdict}",
                         metrics)
