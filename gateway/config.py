@@ -119,6 +119,10 @@ class GatewayConfig:
         show_default=False))
     record_bodies: bool = field(default=True, metadata=_opt(
         "do not keep compressed request/response bodies (token records are always kept)"))
+    cpu_account: bool = field(default=False, metadata=_opt(
+        "charge every part of the process's CPU on /metrics (rolltap_stage_cpu_seconds): each "
+        "task's steps metered, a call's stages with the CPU inside what they await, and the "
+        "server, client, commit writer and loop apart; costs two clock reads per task step"))
     access_log: bool = field(default=True, metadata=_opt(
         "do not log one line per HTTP call (method, route, status, latency, rollout, request "
         "id)"))
