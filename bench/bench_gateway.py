@@ -284,8 +284,8 @@ async def loadgen(spec: LoadSpec) -> LoadResult:
 def stage_cpu_per_call(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """µs per call in each stage between two `stage_cpu` readings; {} if none were measured."""
     calls = after.get("calls", 0.0) - before.get("calls", 0.0)
-    if calls <= 0:
-        return {}
+    if calls <= 0 or not any(v - before.get(k, 0.0) for k, v in after.items() if k != "calls"):
+        return {}  # none measured (a gateway without --cpu-account reads no clock)
     return {k: (v - before[k]) * 1e6 / calls for k, v in after.items() if k != "calls"}
 
 

@@ -41,7 +41,7 @@ def _spin(seconds: float) -> None:
 
 
 def test_the_clock_charges_work_to_its_stage_and_waiting_to_nobody():
-    cpu = StageCpu()
+    cpu = StageCpu(on=True)
 
     async def call():
         clock = cpu.clock()
@@ -93,6 +93,20 @@ def test_metered_the_clock_charges_the_work_inside_an_await_and_not_other_tasks(
 def test_unmetered_the_account_is_the_stages_alone():
     cpu = StageCpu()
     assert set(cpu.account()) == set(STAGES)
+
+
+def test_without_the_account_the_clock_charges_nothing_and_awaits_what_it_is_given():
+    cpu = StageCpu()
+
+    async def call():
+        clock = cpu.clock()
+        _spin(0.01)
+        clock.lap("parse")
+        return await clock.wait("engine", asyncio.sleep(0, "answer"))
+
+    assert asyncio.run(call()) == "answer"
+    assert cpu.calls == 1
+    assert all(ns == 0 for ns in cpu.account().values())
 
 
 def test_the_stages_are_exposed_to_prometheus():
