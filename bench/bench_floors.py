@@ -19,7 +19,9 @@ opposite order every other round; numbers are medians of the rounds. CPU is a pr
 user + system time from /proc over the measured phase, per call; Postgres is the backends of
 the recorder's own database. A stream's per-chunk cost is its CPU per call less the same
 side's json call, over the chunks. `ROLLTAP_BENCH_QUICK=1` (or `python -m bench --quick`):
-one round of shorter runs.
+one round of shorter runs. `ROLLTAP_BENCH_FOCUS=1` with `ROLLTAP_BENCH_BEFORE=DIR` (another
+checkout, e.g. `git archive BASE | tar -x -C DIR`): a change before and after, json at 512 tokens
+only, rolltap from both checkouts beside the recorder floor, in 4 rounds.
 
     python -m bench floors          # this section; `python -m bench --quick floors`: shorter
 """
@@ -50,11 +52,14 @@ from bench.bench_gateway import (
 )
 
 QUICK = os.environ.get("ROLLTAP_BENCH_QUICK", "") not in ("", "0")
-CONTEXTS = (512, 32768)
+# A change's before and after: only rolltap (this checkout and ROLLTAP_BENCH_BEFORE's) and the
+# recorder floor, json at 512 tokens, in more rounds.
+FOCUS = os.environ.get("ROLLTAP_BENCH_FOCUS", "") not in ("", "0")
+CONTEXTS = (512,) if FOCUS else (512, 32768)
 COMPLETION_TOKENS = 32
-ROUNDS = 1 if QUICK else 2
+ROUNDS = 4 if FOCUS else 1 if QUICK else 2
 SECONDS = 1.5 if QUICK else 2.5
-LOADS = (("json", 1), ("json", 64), ("sse", 1), ("sse", 64))
+LOADS = (("json", 1), ("json", 64)) + (() if FOCUS else (("sse", 1), ("sse", 64)))
 SIDES = ("direct", "pass-through", "recorder floor", "rolltap", "rolltap before",
          "rolltap +account", "OpenEnv")
 FLOORS = ("recorder floor", "pass-through")
@@ -144,7 +149,10 @@ class Context:
 
     def sides(self, load: str) -> list[str]:
         """The sides measured under `load`: the account only for json calls."""
-        return [s for s in SIDES if s in self.urls and (s != ACCOUNTED or load.startswith("json"))]
+        sides = [s for s in SIDES if s in self.urls]
+        if FOCUS:
+            return [s for s in sides if s in ("direct", "recorder floor", "rolltap", BEFORE)]
+        return [s for s in sides if s != ACCOUNTED or load.startswith("json")]
 
     def keys(self, side: str, n: int) -> list[str | None]:
         if side in self.gateways:
@@ -284,6 +292,8 @@ def goals(results: dict) -> list[str]:
             f"Postgres {pg:.2f}× (goal ≤ {GOAL_PG_RATIO:g}×: "
             f"{'met' if pg <= GOAL_PG_RATIO else 'MISSED'})"
         )
+    if len(CONTEXTS) < 2:
+        return lines
     g = growth(results)
     each = ", ".join(f"{k} {v:.2f}×" for k, v in g.items())
     lines.append(f"  growth 512 → 32k tokens, rolltap json CPU/call: {each} (goal ≤ 1.25×)")
@@ -297,7 +307,7 @@ def run(print_fn=print) -> dict:
         print_fn(f"OpenEnv's capture proxy NOT MEASURED here: {exc}")
         openenv = None
     dsns = {}
-    recorders = ["rolltap", ACCOUNTED, "recorder floor"]
+    recorders = ["rolltap", "recorder floor"] + ([] if FOCUS else [ACCOUNTED])
     if os.environ.get("ROLLTAP_BENCH_BEFORE"):
         recorders.append(BEFORE)
     for side in recorders:
@@ -319,7 +329,8 @@ def run(print_fn=print) -> dict:
     contexts: list[Context] = []
     try:
         for tokens in CONTEXTS:
-            contexts.append(Context(tokens, dsns, log_dir, openenv if tokens == 512 else None))
+            peer = openenv if tokens == 512 and not FOCUS else None
+            contexts.append(Context(tokens, dsns, log_dir, peer))
         rounds = measure(contexts, print_fn)
     except Exception:
         for ctx in contexts:
@@ -340,7 +351,7 @@ def run(print_fn=print) -> dict:
         "over direct, per-chunk CPU). Medians of the rounds. Goals (issue #41):",
         *goals(results),
     ]))  # fmt: skip
-    for load in ("json c=1", "json c=64"):
+    for load in () if FOCUS else ("json c=1", "json c=64"):
         n = results[(min(CONTEXTS), load, ACCOUNTED)]
         print_fn(cpu_account.table(n.stages_us, n.cpu_us, f"{min(CONTEXTS)} tokens {load}"))
     print_fn(f"load average at the end: {os.getloadavg()[0]:.1f}")
@@ -349,7 +360,7 @@ def run(print_fn=print) -> dict:
         "load_average": load0,
         "rows": {f"{t} {load} {s}": msgspec.to_builtins(n) for (t, load, s), n in results.items()},
         "ratios": {f"{t} {load} {s} ÷ {f}": r for (t, load, s, f), r in ratios.items()},
-        "growth": growth(results),
+        "growth": growth(results) if len(CONTEXTS) > 1 else {},
     }
 
 

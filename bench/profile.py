@@ -69,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens")
     parser.add_argument("--rate", type=int, default=250, help="samples per second")
     parser.add_argument("--out", type=Path, help="write the collapsed stacks here")
+    parser.add_argument("--native", action="store_true",
+                        help="C and Cython frames too (asyncpg, uvloop, msgspec)")
     args = parser.parse_args(argv)
-    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")  # PATH first
     if not Path(py_spy).exists():
         raise SystemExit("no py-spy: pip install the project's dev extra (py-spy==0.4.1)")
     datname = f"rolltap_bench_{uuid.uuid4().hex[:10]}"
@@ -86,9 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         raw = tmp / "stacks.txt"
         spy = [py_spy, "record", "--pid", str(gateway.pid), "--duration",
                str(int(args.seconds) + 2), "--rate", str(args.rate), "--format", "raw",
-               "--nonblocking", "--output", str(raw)]  # fmt: skip
-        sampler = threading.Thread(target=subprocess.run, args=(spy,),
-                                   kwargs={"capture_output": True})  # fmt: skip
+               "--output", str(raw),
+               # py-spy unwinds native frames only from a stopped process.
+               *(["--native"] if args.native else ["--nonblocking"])]  # fmt: skip
+        spied: list[subprocess.CompletedProcess] = []
+        sampler = threading.Thread(target=lambda: spied.append(
+            subprocess.run(spy, capture_output=True, text=True)))  # fmt: skip
         sampler.start()
         r = run_loadgen(LoadSpec(
             url=gateway.url, keys=keys, stream=args.stream, unknown_turn=False,
@@ -97,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         ))  # fmt: skip
         sampler.join()
         if not raw.exists():
-            raise SystemExit(f"py-spy wrote nothing (ptrace allowed here?): {' '.join(spy)}")
+            said = spied[0].stderr[-2000:] if spied else ""
+            raise SystemExit(f"py-spy wrote nothing: {' '.join(spy)}\n{said}")
         stacks = collapsed(raw)
         print(f"{len(r.latency_s)} calls, {r.cpu_s['proxy'] * 1e6 / max(len(r.latency_s), 1):.0f}"
               f" µs gateway CPU per call (py-spy adds its pauses' cost)")  # fmt: skip
