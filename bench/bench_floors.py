@@ -253,7 +253,9 @@ def table(results: dict) -> tuple[str, dict]:
         if side not in ("rolltap", BEFORE):
             continue
         for floor in FLOORS:
-            f = results[(tokens, load, floor)]
+            f = results.get((tokens, load, floor))
+            if f is None:
+                continue  # not measured (ROLLTAP_BENCH_FOCUS)
             fchunk = float("nan")
             if load.startswith("sse"):
                 fw = results[(tokens, load.replace("sse", "json"), floor)]
@@ -344,6 +346,8 @@ def run(print_fn=print) -> dict:
             admin_sql(f'DROP DATABASE IF EXISTS "{dsn.rpartition("/")[2]}" WITH (FORCE)')
         shutil.rmtree(log_dir, ignore_errors=True)
     results = {k: median(v) for k, v in rounds.items()}
+    for (tokens, load, side), n in results.items():  # the numbers, whatever the table makes of them
+        print_fn(f"  {tokens} {load} {side}: {msgspec.json.encode(n).decode()}")
     text, ratios = table(results)
     print_fn(text)
     print_fn("\n".join([
