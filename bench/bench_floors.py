@@ -117,7 +117,10 @@ class Context:
         if ACCOUNTED in self.gateways:
             self.gateways[ACCOUNTED].args.append("--cpu-account")
         if BEFORE in self.gateways:
-            self.gateways[BEFORE].cwd = Path(os.environ["ROLLTAP_BENCH_BEFORE"])
+            before = self.gateways[BEFORE]
+            before.cwd = Path(os.environ["ROLLTAP_BENCH_BEFORE"])
+            if not (before.cwd / "core" / "cli.py").exists():  # from before issue #40's layout
+                before.args[before.args.index("core.cli")] = "gateway.cli"
         self.openenv = None
         if openenv is not None:
             model = json.loads(standin.META.read_text())["model"]
@@ -298,7 +301,9 @@ def goals(results: dict) -> list[str]:
         return lines
     g = growth(results)
     each = ", ".join(f"{k} {v:.2f}×" for k, v in g.items())
-    lines.append(f"  growth 512 → 32k tokens, rolltap json CPU/call: {each} (goal ≤ 1.25×)")
+    lines.append(f"  growth 512 → 32k tokens, rolltap json CPU/call: {each}\n"
+                 "  (one request repeated; a growing conversation's later calls: the gateway\n"
+                 "  section's contexts table, goal ≤ 1.25×)")
     return lines
 
 
