@@ -39,7 +39,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from bench import cpu_account, peer_openenv, standin
+from bench import cpu_account, peer_openenv, postgres_split, standin
 from bench.bench_gateway import (
     ADMIN_KEY,
     POSTGRES_URL,
@@ -307,6 +307,26 @@ def goals(results: dict) -> list[str]:
     return lines
 
 
+def _measure_all(dsns: dict[str, str], openenv, print_fn) -> dict:
+    """Every context's processes started, `measure`d and stopped."""
+    log_dir = Path(tempfile.mkdtemp(prefix="rolltap-bench-floors-"))
+    contexts: list[Context] = []
+    try:
+        for tokens in CONTEXTS:
+            peer = openenv if tokens == 512 and not FOCUS else None
+            contexts.append(Context(tokens, dsns, log_dir, peer))
+        return measure(contexts, print_fn)
+    except Exception:
+        for ctx in contexts:
+            for side, gateway in ctx.gateways.items():
+                print_fn(f"{side} log ({ctx.tokens}), last lines:\n{gateway.log_tail()}")
+        raise
+    finally:
+        for ctx in contexts:
+            ctx.stop()
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
 def run(print_fn=print) -> dict:
     try:
         openenv = peer_openenv.ensure_venv(print_fn)
@@ -332,24 +352,12 @@ def run(print_fn=print) -> dict:
         f"runs{' (quick)' if QUICK else ''}; commit {commit or '?'}; {os.cpu_count()} CPUs, "
         f"load average {load0[0]:.1f} / {load0[1]:.1f} at start"
     )
-    log_dir = Path(tempfile.mkdtemp(prefix="rolltap-bench-floors-"))
-    contexts: list[Context] = []
     try:
-        for tokens in CONTEXTS:
-            peer = openenv if tokens == 512 and not FOCUS else None
-            contexts.append(Context(tokens, dsns, log_dir, peer))
-        rounds = measure(contexts, print_fn)
-    except Exception:
-        for ctx in contexts:
-            for side, gateway in ctx.gateways.items():
-                print_fn(f"{side} log ({ctx.tokens}), last lines:\n{gateway.log_tail()}")
-        raise
+        rounds = _measure_all(dsns, openenv, print_fn)
+        split = {} if FOCUS else postgres_split.run(dsns["recorder floor"], print_fn)
     finally:
-        for ctx in contexts:
-            ctx.stop()
         for dsn in dsns.values():
             admin_sql(f'DROP DATABASE IF EXISTS "{dsn.rpartition("/")[2]}" WITH (FORCE)')
-        shutil.rmtree(log_dir, ignore_errors=True)
     results = {k: median(v) for k, v in rounds.items()}
     for (tokens, load, side), n in results.items():  # the numbers, whatever the table makes of them
         print_fn(f"  {tokens} {load} {side}: {msgspec.json.encode(n).decode()}")
@@ -370,6 +378,7 @@ def run(print_fn=print) -> dict:
         "rows": {f"{t} {load} {s}": msgspec.to_builtins(n) for (t, load, s), n in results.items()},
         "ratios": {f"{t} {load} {s} ÷ {f}": r for (t, load, s, f), r in ratios.items()},
         "growth": growth(results) if len(CONTEXTS) > 1 else {},
+        "postgres_split": split,
     }
 
 
