@@ -6,6 +6,16 @@ gateway URLs in the request must be reachable from the nodes. The admin key is n
 request. Cancelling `run` cancels the Ray task, which interrupts the worker's event loop and so
 kills the sandbox's processes like a local cancellation does.
 
+Placement: tasks are SPREAD over the cluster's nodes (Ray's default packs a node before using
+the next), and a sandbox may reserve custom resources besides CPUs, so each node's own count
+of them (`ray start --resources '{"sandbox": 8}'`) bounds how many run there. The node a
+sandbox ran on is in its result's metrics (`ray_node`).
+
+A node that dies takes its sandboxes with it (bwrap's --die-with-parent ends them with their
+Ray worker). Ray does not retry the task (a second run would put a second rollout into the
+group); `run` raises, and the runner finishes the rollout as failed with no reward
+(unscorable) and counts it among the run's errors.
+
 Needs the `ray` extra (`pip install 'rolltap[ray]'`); imported only when this backend is used.
 """
 
@@ -14,12 +24,19 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
+
 from sandbox.backends.base import SandboxRequest, SandboxResult
 from sandbox.backends.local import LocalBackend
 
 
 def run_in_worker(request: SandboxRequest, local_options: dict[str, Any]) -> SandboxResult:
-    return asyncio.run(LocalBackend(**local_options).run(request))
+    import ray
+
+    result = asyncio.run(LocalBackend(**local_options).run(request))
+    node = ray.get_runtime_context().get_node_id()
+    return msgspec.structs.replace(result, extra_metrics={**result.extra_metrics,
+                                                          "ray_node": node})
 
 
 class RayBackend:
@@ -28,19 +45,24 @@ class RayBackend:
         *,
         address: str | None = None,
         num_cpus: float = 1.0,
+        resources: dict[str, float] | None = None,
         init_options: dict[str, Any] | None = None,
         **local_options: Any,
     ) -> None:
         """`address`: a running cluster ("auto", "ray://host:10001"); None starts a local Ray
         unless one is initialised already. `num_cpus`: CPUs a sandbox reserves, which bounds
-        how many run per node. `local_options`: passed to LocalBackend on the node."""
+        how many run per node; `resources`: custom resources it reserves too. `local_options`:
+        passed to LocalBackend on the node."""
         import ray
 
         self._ray = ray
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=address, **(init_options or {}))
-        self._remote = ray.remote(num_cpus=num_cpus, max_retries=0)(run_in_worker)
+        self._remote = ray.remote(
+            num_cpus=num_cpus, resources=resources or {}, max_retries=0,
+            scheduling_strategy="SPREAD",
+        )(run_in_worker)
         self._local_options = local_options
 
     async def run(self, request: SandboxRequest) -> SandboxResult:
