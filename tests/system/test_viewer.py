@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import uuid
 
 import httpx
 import openai
@@ -223,6 +225,91 @@ def test_list_pages_without_repeats_and_filters_by_reward(viewer_gateway, record
     for bad in ({"status": "odd"}, {"min_reward": "x"}, {"after": "!!"}, {"limit": 0}):
         r = gw.admin.get("/ui/api/rollouts", params=bad)
         assert r.status_code == 400 and r.json()["error"]["message"], bad
+
+
+class LiveRun:
+    """A run going on while the page is open: groups of two rollouts on two tasks, one call to
+    the tiny vLLM each, rewards that differ, the policy version moved after each group."""
+
+    def __init__(self, gw, model: str) -> None:
+        self.gw, self.model = gw, model
+        self.run_id = f"live-{uuid.uuid4().hex[:8]}"
+        self.rollouts: list[str] = []
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._produce, daemon=True)
+
+    def _produce(self) -> None:
+        try:
+            for k in range(10_000):
+                if self.stop.is_set():
+                    return
+                for member in range(2):
+                    r = self.gw.new_rollout(task_id=f"live-task-{k % 2}",
+                                            group_id=f"{self.run_id}-{k}",
+                                            metadata={"run_id": self.run_id})
+                    _chat(r, self.model, [{"role": "user", "content": f"Count to {k + member}."}])
+                    assert self.gw.finish(r["rollout_id"], (k + member) % 3 / 2).status_code == 200
+                    self.rollouts.append(r["rollout_id"])
+                version = self.gw.admin.get("/admin/policy").json()["version"]
+                assert self.gw.admin.post("/admin/policy",
+                                          json={"version": version + 1}).status_code == 200
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            self.error = exc
+
+    def __enter__(self) -> LiveRun:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(300)
+
+
+def _points(drv, chart: str) -> int:
+    return drv.execute_script(
+        "const c = document.getElementById(arguments[0]); return c ? +c.dataset.points : -1", chart)
+
+
+def test_run_page_draws_a_live_run(browser, viewer_gateway, vllm_server, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    gw = viewer_gateway
+    _login(browser, gw.url, ADMIN_KEY)
+    _wait(browser, "return document.body.dataset.ready")
+    with LiveRun(gw, vllm_server.model) as run:
+        # The run shows up in the page's run picker once it has a rollout.
+        browser.find_element(By.ID, "run-link").click()
+        _wait(browser, "return document.getElementById('run-select')")
+        _wait(browser, f"return [...document.querySelectorAll('#run-select option')]"
+                       f".some(o => o.value === '{run.run_id}')", timeout=300)
+        browser.execute_script(f"location.hash = '#/run?run={run.run_id}'")
+        charts = ("chart-reward", "chart-tokens", "chart-policy")
+        _wait(browser, "return " + " && ".join(
+            f"+(document.getElementById('{c}') || {{dataset: {{}}}}).dataset.points > 0"
+            for c in charts), timeout=300)
+        before = {c: _points(browser, c) for c in charts}
+        # New points arrive by polling, with no reload: the page's own state survives.
+        browser.execute_script("window.__same_page = 1")
+        _wait(browser, "return " + " && ".join(
+            f"+document.getElementById('{c}').dataset.points > {before[c]}" for c in charts),
+              timeout=600)
+        assert browser.execute_script("return window.__same_page") == 1
+        assert run.error is None, run.error
+    assert run.error is None, run.error
+    tasks = browser.find_element(By.ID, "task-rewards").text
+    assert "live-task-0" in tasks and "live-task-1" in tasks
+    totals = browser.find_element(By.ID, "token-totals").text
+    assert "awaiting trainer" in totals  # merged, no trainer took them in this test
+    browser.save_screenshot(str(tmp_path / "run.png"))
+    assert (tmp_path / "run.png").stat().st_size > 10_000
+
+    # The rollout page shows the merge's dicts as tables, not JSON text.
+    browser.get(f"{gw.url}/ui#/rollout/{run.rollouts[0]}")
+    _wait(browser, "return document.querySelector('#merge-stats table.dict')")
+    causes = browser.find_elements(
+        By.CSS_SELECTOR, "#merge-stats dd[data-key='excluded_by_cause'] table.dict tr[data-key]")
+    assert causes and "{" not in browser.find_element(By.ID, "merge-stats").text
 
 
 def _inspect(gw, *args: str) -> str:
