@@ -190,8 +190,9 @@ async def run_view(request: web.Request) -> web.Response:
     async with app[POOL].acquire() as conn:
         rows = await run_data.recent_rollouts(conn, run_id)
         runs = await run_data.recent_runs(conn)
-    view = run_data.run_view(rows, runs, run_id, app[metric_history.HISTORY].series())
-    return _json({**view, "now": time.time()})
+    history = app[metric_history.HISTORY]
+    view = run_data.run_view(rows, runs, run_id, history.series())
+    return _json({**view, "unreachable": history.unreachable, "now": time.time()})
 
 
 def _sequence(trace: traces_store.StoredTrace, calls: dict[str, dict]) -> dict:

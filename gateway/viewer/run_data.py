@@ -72,26 +72,32 @@ def groups(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda g: g["t"])
 
 
-def _token_counts(r: Mapping[str, Any]) -> tuple[float, dict[str, int]] | None:
-    """When a rollout's tokens were accounted, and how many went where: its ledger once a
-    trainer took it, else its merge's counts."""
-    if r["ledger"] and r["consumed_at"]:
-        ledger = r["ledger"]
-        counts = {"trained": int(ledger.get("trained_tokens") or 0)}
-        counts |= {c: int(n) for c, n in (ledger.get("excluded_tokens") or {}).items()}
-        return r["consumed_at"].timestamp(), counts
+def _counts(tokens: Mapping[str, Any] | None) -> dict[str, int]:
+    return {c: int(n) for c, n in (tokens or {}).items()}
+
+
+def _token_events(r: Mapping[str, Any]) -> list[tuple[float, dict[str, int]]]:
+    """How a rollout's tokens moved the totals: at its merge, what the merge left to train
+    waits for a trainer and what it excluded is counted; once a trainer took it (its ledger),
+    the waiting tokens are trained or excluded by the bridge's causes."""
     stats = r["merge_stats"]
     if not stats or not r["merged_at"]:
-        return None
-    counts = {WAITING: int(stats.get("trained_tokens") or 0)}
-    counts |= {c: int(n) for c, n in (stats.get("excluded_by_cause") or {}).items()}
-    return r["merged_at"].timestamp(), counts
+        return []
+    waiting = int(stats.get("trained_tokens") or 0)
+    merged = _counts(stats.get("excluded_by_cause"))
+    events = [(r["merged_at"].timestamp(), {WAITING: waiting, **merged})]
+    ledger = r["ledger"]
+    if ledger and r["consumed_at"]:
+        taken = {c: n - merged.get(c, 0) for c, n in _counts(ledger.get("excluded_tokens")).items()}
+        taken |= {WAITING: -waiting, "trained": int(ledger.get("trained_tokens") or 0)}
+        events.append((r["consumed_at"].timestamp(), taken))
+    return events
 
 
 def tokens(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """Tokens trained and excluded by cause, summed over time: `columns` name the series,
-    each row is [time, total of each column up to then]; only columns with a token appear."""
-    events = sorted(filter(None, map(_token_counts, rows)), key=lambda e: e[0])
+    """Tokens trained, excluded by cause and awaiting a trainer over time: `columns` name the
+    series, each row is [time, total of each column then]; only columns with a token appear."""
+    events = sorted((e for r in rows for e in _token_events(r)), key=lambda e: e[0])
     order = ["trained", WAITING, *CAUSES]
     seen = {c for _, counts in events for c, n in counts.items() if n}
     columns = [c for c in order if c in seen] + sorted(seen - set(order))

@@ -7,7 +7,8 @@ import datetime as dt
 
 from hypothesis import given
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.store.ledger import CAUSES
 from gateway.viewer import run_data
@@ -59,7 +60,7 @@ def test_a_group_shows_once_all_its_members_ended(rows):
 
 
 @given(st.lists(rollout_rows(), max_size=30))
-def test_token_totals_add_up_and_only_grow(rows):
+def test_token_totals_add_up_and_move_from_waiting_to_trained(rows):
     view = run_data.tokens(rows)
     columns, out = view["columns"], view["rows"]
     expected: dict[str, int] = {}
@@ -75,13 +76,15 @@ def test_token_totals_add_up_and_only_grow(rows):
             continue
         for c, n in counts.items():
             expected[c] = expected.get(c, 0) + n
-    assert set(columns) == {c for c, n in expected.items() if n}
+    assert {c for c, n in expected.items() if n} <= set(columns)
     if out:
-        assert dict(zip(columns, out[-1][1:], strict=True)) == {
-            c: n for c, n in expected.items() if n}
+        final = dict(zip(columns, out[-1][1:], strict=True))
+        assert {c: n for c, n in final.items() if n} == {c: n for c, n in expected.items() if n}
     for before, after in zip(out, out[1:], strict=False):
         assert after[0] >= before[0]
-        assert all(a >= b for a, b in zip(after[1:], before[1:], strict=True))
+        grew = [a >= b for c, a, b in zip(columns, after[1:], before[1:], strict=True)
+                if c != run_data.WAITING]
+        assert all(grew)  # tokens awaiting a trainer come and go; the others only add up
 
 
 def test_staleness_is_the_wait_from_end_to_trainer():
@@ -89,6 +92,10 @@ def test_staleness_is_the_wait_from_end_to_trainer():
             {"consumed_at": None, "finished_at": _at(3)},
             {"consumed_at": _at(10), "finished_at": _at(9.5)}]
     assert run_data.staleness(rows) == [[_at(10).timestamp(), 0.5], [_at(20).timestamp(), 8.0]]
+
+
+def _sample(history: MetricHistory, now: float) -> None:
+    history.sample(now, history.registry.collect())
 
 
 def _registry() -> tuple[CollectorRegistry, Gauge, Histogram]:
@@ -105,11 +112,11 @@ def test_history_keeps_gauges_and_histogram_means_per_interval():
     idle.set(0.5)
     wait.labels("agent").observe(2.0)
     wait.labels("agent").observe(4.0)
-    history.sample(1.0)
+    _sample(history, 1.0)
     idle.set(0.25)
     wait.labels("agent").observe(10.0)
-    history.sample(2.0)
-    history.sample(3.0)  # no new wait observed: no mean for this interval
+    _sample(history, 2.0)
+    _sample(history, 3.0)  # no new wait observed: no mean for this interval
     series = history.series()
     assert series["rolltap_trainer_idle_fraction"] == [[1.0, 0.5], [2.0, 0.25], [3.0, 0.25]]
     assert series['rolltap_pool_queue_wait_seconds{pool="agent"} mean'] == [[1.0, 3.0],
@@ -123,8 +130,27 @@ def test_a_full_history_thins_out_and_keeps_the_newest(max_samples, n):
     history = MetricHistory(registry, max_samples=max_samples)
     for t in range(n):
         idle.set(t)
-        history.sample(float(t))
+        _sample(history, float(t))
     points = history.series()["rolltap_trainer_idle_fraction"]
     assert len(points) <= max_samples
     assert points[-1] == [n - 1, n - 1]
     assert points == sorted(points)
+
+
+def test_another_process_counters_become_rates():
+    """The runner's /metrics, as its exposition text reaches the gateway: a counter of seconds
+    spent queued becomes seconds queued per second (the mean queue length)."""
+    runner = CollectorRegistry()
+    waited = Counter("rolltap_runner_pool_queue_wait_seconds", "queued", ["pool"],
+                     registry=runner)
+    history = MetricHistory(CollectorRegistry())
+
+    def scrape(now: float) -> None:
+        history.sample(now, text_string_to_metric_families(generate_latest(runner).decode()))
+
+    waited.labels("verify").inc(1.0)
+    scrape(10.0)
+    waited.labels("verify").inc(6.0)
+    scrape(12.0)
+    series = history.series()
+    assert series == {'rolltap_runner_pool_queue_wait_seconds{pool="verify"} per s': [[12.0, 3.0]]}

@@ -86,7 +86,8 @@ function table(id, headers, rows) {
   return el("table", { class: "compact", id },
     el("thead", {}, el("tr", {}, ...headers.map((h) => el("th", { text: h })))),
     el("tbody", {}, ...rows.map((r) => el("tr", {}, ...r.map((c) =>
-      el("td", { class: typeof c === "number" ? "num" : "", text: fmt(c, 3) }))))));
+      el("td", { class: typeof c === "number" ? "num" : "",
+        text: Number.isInteger(c) ? String(c) : fmt(c, 3) }))))));
 }
 
 function rewardViews(groups) {
@@ -121,26 +122,36 @@ function tokenViews(tokens) {
     points: tokens.rows.map((r) => [r[0], r[k + 1]]) }));
   const last = tokens.rows.length ? tokens.rows[tokens.rows.length - 1] : null;
   return [
-    chart("chart-tokens", "Tokens trained and excluded by cause (running totals)", series),
+    chart("chart-tokens", "Tokens trained and excluded by cause (running totals; awaiting " +
+      "trainer: merged, not taken yet)", series),
     last ? table("token-totals", ["where the tokens went", "tokens"],
       tokens.columns.map((c, k) => [c, last[k + 1]])) : "",
   ];
 }
 
-function metricSeries(metrics, prefix) {
-  return Object.keys(metrics).filter((k) => k.startsWith(prefix)).sort()
-    .map((k) => ({ name: k, points: metrics[k] }));
-}
+// The gauges' charts: a series goes to the first chart whose pattern matches its name; any
+// watched series no pattern takes still shows, under "Other".
+const METRIC_CHARTS = [
+  ["chart-idle", "Trainer idle fraction", /^rolltap_(trainer|bridge)_idle/],
+  ["chart-pool-queued", "Phases queued for a pool slot", /pool_(waiting|queued)/],
+  ["chart-pool-wait", "Pool queue wait (a counter of seconds: per s, the mean queue length)",
+    /queue_wait/],
+  ["chart-pool-busy", "Pool slots in use", /pool_busy/],
+  ["chart-engines", "Engines", /engine_/],
+  ["chart-ended", "Rollouts ended, per second", /rollouts_ended/],
+  ["chart-policy", "Policy version", /^rolltap_policy_version/],
+];
 
 function metricViews(metrics) {
-  const groups = [
-    ["chart-idle", "Trainer idle fraction", "rolltap_trainer_idle_fraction"],
-    ["chart-pools", "Pool queue wait, seconds (mean over each interval)", "rolltap_pool_"],
-    ["chart-engines", "Engines", "rolltap_engine_"],
-    ["chart-policy", "Policy version", "rolltap_policy_version"],
-  ];
-  return groups.map(([id, title, prefix]) => chart(id, title, metricSeries(metrics, prefix),
-    prefix + "… is not in this gateway's metrics (yet)"));
+  const left = new Set(Object.keys(metrics));
+  const take = (re) => [...left].filter((k) => re.test(k)).sort().map((k) => {
+    left.delete(k);
+    return { name: k, points: metrics[k] };
+  });
+  const charts = METRIC_CHARTS.map(([id, title, re]) => chart(id, title, take(re),
+    "not reported: no " + re.source + " series in the gateway's metrics or its --run-metrics"));
+  if (left.size) charts.push(chart("chart-other", "Other", take(/.*/)));
+  return charts;
 }
 
 function runPicker(data) {
@@ -169,7 +180,9 @@ function drawRun(app, data) {
     chart("chart-staleness", "Seconds from a rollout's end to the trainer taking it",
       [{ name: "rollouts", points: data.staleness, dots: true }],
       "no rollout taken by a trainer yet"),
-    el("h2", { text: "Time" }), ...metricViews(data.metrics));
+    el("h2", { text: "Where the time goes" }), ...metricViews(data.metrics),
+    ...Object.entries(data.unreachable).map(([url, why]) => el("p", { class: "error",
+      text: "run metrics from " + url + " unreachable: " + why })));
 }
 
 function stopRun() {
