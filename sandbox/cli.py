@@ -174,7 +174,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="Ray cluster to join (e.g. auto); default: start a local Ray")
     sb.add_argument("--ray-cpus-per-sandbox", type=float, default=1.0, metavar="N",
                     help="CPUs Ray reserves per sandbox (default 1)")
+    from sandbox.backends.ray import ray_resource
+
     sb.add_argument("--ray-resource", action="append", default=[], metavar="NAME=N",
+                    type=ray_resource,
                     help="a custom Ray resource each sandbox reserves, e.g. sandbox=1 with "
                          "nodes started as `ray start --resources '{\"sandbox\": 8}'` "
                          "(repeatable)")
@@ -241,26 +244,10 @@ def build_backend(args: argparse.Namespace):
         from sandbox.backends.ray import RayBackend
 
         return RayBackend(address=args.ray_address, num_cpus=args.ray_cpus_per_sandbox,
-                          resources=ray_resources(args.ray_resource), **local_options)
+                          resources=dict(args.ray_resource), **local_options)
     from sandbox.backends.local import LocalBackend
 
     return LocalBackend(**local_options)
-
-
-def ray_resources(specs: list[str]) -> dict[str, float]:
-    """`--ray-resource NAME=N` flags as Ray's resources mapping; ValueError names a bad one."""
-    out: dict[str, float] = {}
-    for spec in specs:
-        name, _, amount = spec.partition("=")
-        try:
-            value = float(amount)
-        except ValueError:
-            value = -1.0
-        if not name.strip() or not 0 < value < float("inf"):
-            raise ValueError(f"--ray-resource {spec!r}: write NAME=AMOUNT with AMOUNT > 0, "
-                             "e.g. sandbox=1")
-        out[name.strip()] = value
-    return out
 
 
 def _findable(harness) -> bool:
@@ -460,7 +447,7 @@ def main(args: argparse.Namespace) -> int:
     if args.probe:
         try:
             backend = build_backend(args)
-        except (ConfinementError, ValueError) as exc:
+        except ConfinementError as exc:
             print(f"rolltap rollouts: {exc}", file=sys.stderr)
             return 2
         return asyncio.run(_probe(args, admin_key, backend))

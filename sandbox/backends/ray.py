@@ -21,6 +21,7 @@ Needs the `ray` extra (`pip install 'rolltap[ray]'`); imported only when this ba
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from typing import Any
 
@@ -28,6 +29,19 @@ import msgspec
 
 from sandbox.backends.base import SandboxRequest, SandboxResult
 from sandbox.backends.local import LocalBackend
+
+
+def ray_resource(spec: str) -> tuple[str, float]:
+    """`--ray-resource NAME=AMOUNT`: a custom resource and how much of it a sandbox reserves."""
+    name, _, amount = spec.partition("=")
+    try:
+        value = float(amount)
+    except ValueError:
+        value = -1.0
+    if not name.strip() or not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{spec!r}: write NAME=AMOUNT with AMOUNT > 0, e.g. sandbox=1")
+    return name.strip(), value
 
 
 def run_in_worker(request: SandboxRequest, local_options: dict[str, Any]) -> SandboxResult:
