@@ -11,8 +11,8 @@ import datetime as dt
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gateway.store.conn import Conn
-from gateway.store.ledger import CAUSES
+from core.store.conn import Conn
+from core.store.ledger import CAUSES
 
 WINDOW = 2000
 RUNS_LISTED = 20

@@ -19,7 +19,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from gateway.store.db import init_connection
+from core.store.db import init_connection
 from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
 from tests.support.postgres import fresh_database
 from tests.support.vllm import PICK_COLOR_TOOL, load_tiny_tokenizer
@@ -379,7 +379,7 @@ def test_run_page_draws_a_live_run(browser, viewer_gateway, viewer_dsn, runner_m
 
 def _inspect(gw, *args: str) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "inspect", "--gateway", gw.url, *args],
+        [sys.executable, "-m", "core.cli", "inspect", "--gateway", gw.url, *args],
         cwd=REPO, capture_output=True, text=True, timeout=60,
         env={**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY})
     assert result.returncode == 0, result.stderr
@@ -405,6 +405,6 @@ def test_inspect_prints_the_same_information(viewer_gateway, recorded):
     assert "trained nothing: no call of this rollout sampled a token" in hostile.splitlines()
     assert "trained nothing" not in shown
     denied = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "inspect", "--gateway", gw.url,
+        [sys.executable, "-m", "core.cli", "inspect", "--gateway", gw.url,
          "--admin-key", "rt-not-admin", "list"], capture_output=True, text=True, timeout=60)
     assert denied.returncode != 0 and "403" in denied.stderr

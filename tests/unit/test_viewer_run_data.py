@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.store.ledger import CAUSES
+from core.store.ledger import CAUSES
 from gateway.viewer import run_data
 from gateway.viewer.metric_history import MetricHistory
 
