@@ -25,6 +25,11 @@ OBJECT_STORE_BYTES = 80 * 1024 * 1024  # Ray's floor is 75 MB
 FAST_DEATH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
               "RAY_health_check_failure_threshold": "6", "RAY_health_check_initial_delay_ms": "0"}
 
+# A cluster on loopback, for one test: no token authentication. Left unset, Ray turns it on
+# when ~/.ray/auth_token exists (any local `ray.init()` writes one), and a driver whose Ray
+# has already read its settings cannot be given the token any more.
+NO_TOKEN = {"RAY_AUTH_MODE": "disabled"}
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -89,7 +94,8 @@ class RayCluster:
                 *(f"--{flag}={port}" for flag, port in ports.items()), *extra]
         with open(self.root / f"{name}.log", "wb") as log:  # the child keeps its own copy
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env={**os.environ, **FAST_DEATH})
+                                    start_new_session=True,
+                                    env={**os.environ, **FAST_DEATH, **NO_TOKEN})
         node = RayNode(name, proc)
         self.nodes.append(node)
         return node
