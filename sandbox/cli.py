@@ -100,6 +100,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "run's rollouts in flight plus those waiting to be trained are fewer "
                           "than N (at least the group size), so samples do not go stale while "
                           "the runner races ahead of training (default: no limit)")
+    run.add_argument("--oversample", type=int, default=0, metavar="K",
+                     help="start G+K members per group; once G have ended the rest are "
+                          "stopped (sandbox killed, calls in flight ended at the gateway, "
+                          "rollout finished aborted: never trained) and the group trains its "
+                          "fastest G. Trades a length bias (slow rollouts under-represented, "
+                          "said in each rollout's metadata and ledger) for not waiting on the "
+                          "slowest member (default 0: off)")
     run.add_argument("--state", metavar="FILE",
                      help="JSONL of finished rollouts; rerun with the same file to resume")
     run.add_argument("--run-id", metavar="ID",
@@ -280,6 +287,10 @@ def _summary(args: argparse.Namespace, report, backend) -> list:
     if args.max_backlog is not None:
         print(f"waited {report.waited_for_trainer_s:.0f} s for the trainer (--max-backlog "
               f"{args.max_backlog})")
+    if args.oversample:
+        print(f"oversampling: {report.aborted} stragglers aborted, {report.unneeded} extra "
+              f"members not started; each group trained its fastest {args.group_size} of "
+              f"{args.group_size + args.oversample} (length bias; --oversample 0 turns it off)")
     return records
 
 
@@ -317,7 +328,7 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
             group_size=args.group_size, backend=backend, concurrency=args.concurrency,
             repeat=args.repeat, state_path=args.state, crash_reward=args.crash_reward,
             stop=stop, on_finished=finished, on_error=failed, max_backlog=args.max_backlog,
-            run_id=args.run_id,
+            run_id=args.run_id, oversample=args.oversample,
         )
     finally:
         aclose = getattr(backend, "aclose", None)  # a backend with a worker of its own
@@ -380,6 +391,8 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
                                         ("--group-size", args.group_size)) if value is None]
     if missing:
         return f"give {', '.join(missing)} (or --probe)"
+    if args.oversample < 0:
+        return "--oversample must be 0 or more"
     if args.max_backlog is not None and args.max_backlog < args.group_size:
         return (f"--max-backlog ({args.max_backlog}) must be at least --group-size "
                 f"({args.group_size}): a bridge trains whole groups")
