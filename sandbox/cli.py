@@ -95,6 +95,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="groups per task (default 1)")
     run.add_argument("--concurrency", type=int, default=4, metavar="C",
                      help="sandboxes running at once (default 4)")
+    run.add_argument("--setup-slots", type=int, metavar="N",
+                     help="sandboxes in their setup phase at once (image unpack, the task's "
+                          "setup command; Harbor: environment start and health check, agent "
+                          "install) (default: no limit of its own)")
+    run.add_argument("--agent-slots", type=int, metavar="N",
+                     help="harnesses running at once; with --setup-slots/--verify-slots and a "
+                          "larger --concurrency, a slow verifier or image unpack never holds "
+                          "an agent's slot (default: no limit of its own)")
+    run.add_argument("--verify-slots", type=int, metavar="N",
+                     help="verifiers running at once (default: no limit of its own)")
     run.add_argument("--max-backlog", type=int, metavar="N",
                      help="with a trainer bridge running: start a rollout only while this "
                           "run's rollouts in flight plus those waiting to be trained are fewer "
@@ -231,7 +241,13 @@ def _limits(base, args: argparse.Namespace):
     return msgspec.structs.replace(base, **changes)
 
 
-def build_backend(args: argparse.Namespace):
+def phase_pools(args: argparse.Namespace):
+    from sandbox.pools import PhasePools
+
+    return PhasePools(setup=args.setup_slots, agent=args.agent_slots, verify=args.verify_slots)
+
+
+def build_backend(args: argparse.Namespace, pools=None):
     local_options = {
         "root": args.sandbox_root,
         "use_cgroup": not args.no_cgroup,
@@ -247,7 +263,7 @@ def build_backend(args: argparse.Namespace):
                           **local_options)
     from sandbox.backends.local import LocalBackend
 
-    return LocalBackend(**local_options)
+    return LocalBackend(pools=pools, **local_options)
 
 
 def _findable(harness) -> bool:
@@ -264,7 +280,7 @@ def _findable(harness) -> bool:
     return True
 
 
-def _summary(args: argparse.Namespace, report, backend) -> list:
+def _summary(args: argparse.Namespace, report, backend, pools) -> list:
     """Print the run's summary table and notes; returns the finished rollouts (with --state,
     those of earlier runs of the state file too)."""
     from sandbox.summary import format_table, isolation_line, summarize
@@ -287,6 +303,10 @@ def _summary(args: argparse.Namespace, report, backend) -> list:
     if args.max_backlog is not None:
         print(f"waited {report.waited_for_trainer_s:.0f} s for the trainer (--max-backlog "
               f"{args.max_backlog})")
+    if pools is not None:
+        from sandbox.pools import stats_line
+
+        print(stats_line(pools.stats()))
     if args.oversample:
         print(f"oversampling: {report.aborted} stragglers aborted, {report.unneeded} extra "
               f"members not started; each group trained its fastest {args.group_size} of "
@@ -294,7 +314,8 @@ def _summary(args: argparse.Namespace, report, backend) -> list:
     return records
 
 
-async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend) -> int:
+async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend,
+               pools) -> int:
     import asyncio
     import signal
 
@@ -334,7 +355,7 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
         aclose = getattr(backend, "aclose", None)  # a backend with a worker of its own
         if aclose is not None:
             await aclose()
-    records = _summary(args, report, backend)
+    records = _summary(args, report, backend, pools)
     if report.interrupted:
         left = report.total - len(records)
         resume = f"; rerun with --state {args.state} to do them" if args.state else ""
@@ -393,6 +414,9 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
         return f"give {', '.join(missing)} (or --probe)"
     if args.oversample < 0:
         return "--oversample must be 0 or more"
+    for flag in ("setup_slots", "agent_slots", "verify_slots"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} must be at least 1"
     if args.max_backlog is not None and args.max_backlog < args.group_size:
         return (f"--max-backlog ({args.max_backlog}) must be at least --group-size "
                 f"({args.group_size}): a bridge trains whole groups")
@@ -432,12 +456,12 @@ def _load(args: argparse.Namespace, harbor_agent: str | None):
     return tasks, harness
 
 
-def _backend_for(args: argparse.Namespace, harbor_agent: str | None):
+def _backend_for(args: argparse.Namespace, harbor_agent: str | None, pools):
     if harbor_agent is not None:
         from sandbox.harbor.cli import make_backend
 
-        return make_backend(args, harbor_agent)
-    return build_backend(args)
+        return make_backend(args, harbor_agent, pools)
+    return build_backend(args, pools)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -471,7 +495,9 @@ def main(args: argparse.Namespace) -> int:
     if harbor_agent is None and args.backend == "local" and not _findable(harness):
         return 2
     try:
-        backend = _backend_for(args, harbor_agent)
+        # On Ray, each node's sandboxes have pools of their own there (not reported here).
+        pools = None if args.backend == "ray" and harbor_agent is None else phase_pools(args)
+        backend = _backend_for(args, harbor_agent, pools)
     except (ConfinementError, ValueError) as exc:
         print(f"rolltap rollouts: {exc}", file=sys.stderr)
         return 2
@@ -481,7 +507,7 @@ def main(args: argparse.Namespace) -> int:
         # Once, before the first rollout: a wrong address or key would fail every one of them.
         asyncio.run(check_gateway(args.gateway, admin_key, args.model,
                                   provider_prefix=harbor_agent is not None))
-        return asyncio.run(_run(args, tasks, harness, admin_key, backend))
+        return asyncio.run(_run(args, tasks, harness, admin_key, backend, pools))
     except PreflightError as exc:
         print(f"rolltap rollouts: {exc}", file=sys.stderr)
         return 2
