@@ -10,6 +10,13 @@ import argparse
 import os
 import sys
 
+from sandbox.throughput_cli import (
+    Throughput,
+    add_throughput_arguments,
+    phase_pools,
+    throughput_problem,
+)
+
 DESCRIPTION = """Run rollouts: for every task in TASKS.jsonl, GROUP-SIZE rollouts per repeat, each
 in a fresh sandbox running the chosen harness against the gateway.
 
@@ -95,28 +102,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="groups per task (default 1)")
     run.add_argument("--concurrency", type=int, default=4, metavar="C",
                      help="sandboxes running at once (default 4)")
-    run.add_argument("--setup-slots", type=int, metavar="N",
-                     help="sandboxes in their setup phase at once (image unpack, the task's "
-                          "setup command; Harbor: environment start and health check, agent "
-                          "install) (default: no limit of its own)")
-    run.add_argument("--agent-slots", type=int, metavar="N",
-                     help="harnesses running at once; with --setup-slots/--verify-slots and a "
-                          "larger --concurrency, a slow verifier or image unpack never holds "
-                          "an agent's slot (default: no limit of its own)")
-    run.add_argument("--verify-slots", type=int, metavar="N",
-                     help="verifiers running at once (default: no limit of its own)")
     run.add_argument("--max-backlog", type=int, metavar="N",
                      help="with a trainer bridge running: start a rollout only while this "
                           "run's rollouts in flight plus those waiting to be trained are fewer "
                           "than N (at least the group size), so samples do not go stale while "
                           "the runner races ahead of training (default: no limit)")
-    run.add_argument("--oversample", type=int, default=0, metavar="K",
-                     help="start G+K members per group; once G have ended the rest are "
-                          "stopped (sandbox killed, calls in flight ended at the gateway, "
-                          "rollout finished aborted: never trained) and the group trains its "
-                          "fastest G. Trades a length bias (slow rollouts under-represented, "
-                          "said in each rollout's metadata and ledger) for not waiting on the "
-                          "slowest member (default 0: off)")
     run.add_argument("--state", metavar="FILE",
                      help="JSONL of finished rollouts; rerun with the same file to resume")
     run.add_argument("--run-id", metavar="ID",
@@ -192,7 +182,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sb.add_argument("--ray-cpus-per-sandbox", type=float, default=1.0, metavar="N",
                     help="CPUs Ray reserves per sandbox (default 1)")
     from sandbox.harbor.cli import add_arguments
-
+    add_throughput_arguments(p)
     add_arguments(p)
     p.set_defaults(func=main)
 
@@ -241,12 +231,6 @@ def _limits(base, args: argparse.Namespace):
     return msgspec.structs.replace(base, **changes)
 
 
-def phase_pools(args: argparse.Namespace):
-    from sandbox.pools import PhasePools
-
-    return PhasePools(setup=args.setup_slots, agent=args.agent_slots, verify=args.verify_slots)
-
-
 def build_backend(args: argparse.Namespace, pools=None):
     local_options = {
         "root": args.sandbox_root,
@@ -280,7 +264,7 @@ def _findable(harness) -> bool:
     return True
 
 
-def _summary(args: argparse.Namespace, report, backend, pools) -> list:
+def _summary(args: argparse.Namespace, report, backend) -> list:
     """Print the run's summary table and notes; returns the finished rollouts (with --state,
     those of earlier runs of the state file too)."""
     from sandbox.summary import format_table, isolation_line, summarize
@@ -303,14 +287,6 @@ def _summary(args: argparse.Namespace, report, backend, pools) -> list:
     if args.max_backlog is not None:
         print(f"waited {report.waited_for_trainer_s:.0f} s for the trainer (--max-backlog "
               f"{args.max_backlog})")
-    if pools is not None:
-        from sandbox.pools import stats_line
-
-        print(stats_line(pools.stats()))
-    if args.oversample:
-        print(f"oversampling: {report.aborted} stragglers aborted, {report.unneeded} extra "
-              f"members not started; each group trained its fastest {args.group_size} of "
-              f"{args.group_size + args.oversample} (length bias; --oversample 0 turns it off)")
     return records
 
 
@@ -321,7 +297,6 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
 
     from sandbox.runner import run_rollouts
     from sandbox.summary import error_line, progress_line
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
@@ -336,26 +311,32 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal)
 
+    extras = Throughput(args, tasks, pools)
+
     def finished(record, progress) -> None:
+        extras.ended[record.status] += 1
         print(progress_line(record, progress.done, progress.total, progress.running), flush=True)
 
     def failed(error, progress) -> None:
         print(error_line(error.task_id, error.repeat, error.member, error.message,
                          progress.done, progress.total), flush=True)
 
+    await extras.start()
     try:
         report = await run_rollouts(
             tasks, harness, gateway=args.gateway, admin_key=admin_key,
             group_size=args.group_size, backend=backend, concurrency=args.concurrency,
             repeat=args.repeat, state_path=args.state, crash_reward=args.crash_reward,
             stop=stop, on_finished=finished, on_error=failed, max_backlog=args.max_backlog,
-            run_id=args.run_id, oversample=args.oversample,
+            run_id=args.run_id, **extras.run_options(),
         )
     finally:
+        await extras.stop()
         aclose = getattr(backend, "aclose", None)  # a backend with a worker of its own
         if aclose is not None:
             await aclose()
-    records = _summary(args, report, backend, pools)
+    records = _summary(args, report, backend)
+    extras.print_summary(report)
     if report.interrupted:
         left = report.total - len(records)
         resume = f"; rerun with --state {args.state} to do them" if args.state else ""
@@ -364,59 +345,14 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
     return 1 if report.errors else 0
 
 
-async def _probe(args: argparse.Namespace, admin_key: str, backend) -> int:
-    import json
-
-    from sandbox.backends.base import SandboxRequest
-    from sandbox.gateway_client import AdminClient, GatewayError
-    from sandbox.presets import Harness
-    from sandbox.tasks import Task, Verifier
-
-    paths = [os.path.abspath(args.tasks)] if args.tasks else []
-    spec = {"ports": sorted({5432, *args.probe_port}), "paths": paths}
-    task = Task(id="probe", prompt=json.dumps(spec), files={},
-                verifier=Verifier("true", "binary", {}), source_paths=tuple(paths))
-    harness = Harness(preset="python", model=args.model, agent="sandbox.agents.probe:run")
-    try:
-        async with AdminClient(args.gateway, admin_key) as admin:
-            access = await admin.create_rollout(task_id="probe", group_id="probe",
-                                                metadata={"probe": True}, timeout_s=600)
-            try:
-                result = await backend.run(SandboxRequest(task, harness, access))
-            finally:
-                await admin.finish_rollout(access.rollout_id, reward=None, status="failed",
-                                           metrics={"probe": True})
-    except GatewayError as exc:
-        print(f"rolltap rollouts --probe: {exc}", file=sys.stderr)
-        return 1
-    lines = (result.agent.stdout.strip().splitlines() if result.agent else []) or [""]
-    try:
-        checks = json.loads(lines[-1])
-    except ValueError:
-        print(f"the probe failed: {result.reward_detail}\n{result.agent and result.agent.stderr}",
-              file=sys.stderr)
-        return 1
-    print(f"sandbox isolation: {result.isolation}")
-    for name, (allowed, detail) in checks.items():
-        verdict = "" if name in ("uid", "processes visible") else (
-            "ALLOWED" if allowed else "refused")
-        print(f"  {verdict:<8} {name}: {str(detail)[:100]}")
-    for warning in result.warnings:
-        print(f"  warning: {warning}")
-    return 0
-
-
 def _flag_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the flags of a run (not a probe), before anything loads."""
     missing = [flag for flag, value in (("TASKS.jsonl", args.tasks), ("--harness", args.harness),
                                         ("--group-size", args.group_size)) if value is None]
     if missing:
         return f"give {', '.join(missing)} (or --probe)"
-    if args.oversample < 0:
-        return "--oversample must be 0 or more"
-    for flag in ("setup_slots", "agent_slots", "verify_slots"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            return f"--{flag.replace('_', '-')} must be at least 1"
+    if problem := throughput_problem(args):
+        return problem
     if args.max_backlog is not None and args.max_backlog < args.group_size:
         return (f"--max-backlog ({args.max_backlog}) must be at least --group-size "
                 f"({args.group_size}): a bridge trains whole groups")
@@ -456,12 +392,14 @@ def _load(args: argparse.Namespace, harbor_agent: str | None):
     return tasks, harness
 
 
-def _backend_for(args: argparse.Namespace, harbor_agent: str | None, pools):
+def _backend_for(args: argparse.Namespace, harbor_agent: str | None):
+    """The backend and its phase pools (on Ray, each node's sandboxes have their own there)."""
+    pools = None if args.backend == "ray" and harbor_agent is None else phase_pools(args)
     if harbor_agent is not None:
         from sandbox.harbor.cli import make_backend
 
-        return make_backend(args, harbor_agent, pools)
-    return build_backend(args, pools)
+        return make_backend(args, harbor_agent, pools), pools
+    return build_backend(args, pools), pools
 
 
 def main(args: argparse.Namespace) -> int:
@@ -480,7 +418,9 @@ def main(args: argparse.Namespace) -> int:
         except ConfinementError as exc:
             print(f"rolltap rollouts: {exc}", file=sys.stderr)
             return 2
-        return asyncio.run(_probe(args, admin_key, backend))
+        from sandbox.probe_cli import run_probe
+
+        return asyncio.run(run_probe(args, admin_key, backend))
     if problem := _flag_problem(args):
         print(f"rolltap rollouts: {problem}", file=sys.stderr)
         return 2
@@ -495,9 +435,7 @@ def main(args: argparse.Namespace) -> int:
     if harbor_agent is None and args.backend == "local" and not _findable(harness):
         return 2
     try:
-        # On Ray, each node's sandboxes have pools of their own there (not reported here).
-        pools = None if args.backend == "ray" and harbor_agent is None else phase_pools(args)
-        backend = _backend_for(args, harbor_agent, pools)
+        backend, pools = _backend_for(args, harbor_agent)
     except (ConfinementError, ValueError) as exc:
         print(f"rolltap rollouts: {exc}", file=sys.stderr)
         return 2

@@ -28,34 +28,24 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
 
 from sandbox.backends.base import Backend, CrashReward, SandboxRequest, SandboxResult
+from sandbox.continuous import TaskSampler, watch
 from sandbox.gateway_client import AdminClient, GatewayError, RolloutInfo
 from sandbox.oversample import GroupQuota, Oversampling
 from sandbox.presets import Harness, side_calls_for
 from sandbox.state import FinishedRollout, Key, RunHeader, StateFile
-from sandbox.summary import trained_tokens
 from sandbox.tasks import Task
+from sandbox.work import WorkItem, failed_record, plan, record_for, sampled_plan
 
 # Time the gateway gives a rollout beyond the task's own timeouts before it calls it timed out.
 GATEWAY_MARGIN_S = 120.0
 BACKLOG_POLL_S = 1.0  # how often a full backlog is looked at again
 INTERRUPT_FINISH_TIMEOUT_S = 10.0
-
-
-class WorkItem(msgspec.Struct, frozen=True):
-    task: Task
-    repeat: int
-    member: int
-    group_id: str
-
-    @property
-    def key(self) -> Key:
-        return (self.task.id, self.repeat, self.member)
 
 
 class ItemError(msgspec.Struct, frozen=True):
@@ -85,69 +75,9 @@ class Progress(msgspec.Struct, frozen=True):
     running: int  # sandboxes running now
 
 
-def group_id(run_id: str, task_id: str, repeat: int) -> str:
-    return f"{run_id}-{task_id}-r{repeat}"
-
-
-def plan(
-    tasks: Sequence[Task], group_size: int, repeat: int, run_id: str, done: set[Key]
-) -> list[WorkItem]:
-    """The rollouts still to do, group by group, so that groups complete together."""
-    return [
-        WorkItem(task, r, m, group_id(run_id, task.id, r))
-        for r in range(repeat)
-        for task in tasks
-        for m in range(group_size)
-        if (task.id, r, m) not in done
-    ]
-
-
 def gateway_timeout(task: Task) -> float:
     t = task.timeouts
     return t.setup_s + t.agent_s + t.verifier_s + GATEWAY_MARGIN_S
-
-
-def record_for(
-    item: WorkItem,
-    rollout_id: str,
-    result: SandboxResult,
-    info: RolloutInfo | None,
-    duration_s: float,
-) -> FinishedRollout:
-    calls = prompt = completion = trained = None
-    if info is not None:
-        calls = len(info.calls)
-        prompt = sum(c.prompt_tokens or 0 for c in info.calls)
-        completion = sum(c.completion_tokens or 0 for c in info.calls)
-        trained = trained_tokens(info.merge_stats, completion)
-    return FinishedRollout(
-        task_id=item.task.id,
-        repeat=item.repeat,
-        member=item.member,
-        rollout_id=rollout_id,
-        group_id=item.group_id,
-        status=result.gateway_status,
-        sandbox_status=result.status,
-        reward=result.reward,
-        reward_detail=result.reward_detail,
-        duration_s=duration_s,
-        calls=calls,
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        trained_tokens=trained,
-        host=result.host,
-        isolation=result.isolation,
-    )
-
-
-def failed_record(item: WorkItem, rollout_id: str, detail: str, duration_s: float,
-                  status: str = "failed") -> FinishedRollout:
-    """The state line of a rollout whose sandbox failed (the runner's or the machine's fault:
-    unscorable), or (status `aborted`) that the runner stopped."""
-    return FinishedRollout(task_id=item.task.id, repeat=item.repeat, member=item.member,
-                           rollout_id=rollout_id, group_id=item.group_id, status=status,
-                           sandbox_status="error" if status == "failed" else status,
-                           reward=None, reward_detail=detail, duration_s=duration_s)
 
 
 class _Run:
@@ -163,7 +93,7 @@ class _Run:
         state: StateFile | None,
         crash_reward: CrashReward,
         stop: asyncio.Event,
-        total: int,
+        total: Callable[[], int],
         max_backlog: int | None,
         on_finished: Callable[[FinishedRollout, Progress], None] | None,
         on_error: Callable[[ItemError, Progress], None] | None,
@@ -193,7 +123,7 @@ class _Run:
         self.aborted = self.unneeded = 0
 
     def progress(self) -> Progress:
-        return Progress(self.done, self.total, self.sandboxes)
+        return Progress(self.done, self.total(), self.sandboxes)
 
     def add(self, record: FinishedRollout) -> None:
         if self.state:
@@ -210,10 +140,9 @@ class _Run:
         if self.on_error:
             self.on_error(error, self.progress())
 
-    async def execute(self, items: list[WorkItem], concurrency: int) -> None:
+    async def execute(self, items: Iterable[WorkItem], concurrency: int) -> None:
         queue = iter(items)
-        workers = [asyncio.ensure_future(self.worker(queue))
-                   for _ in range(min(concurrency, len(items)))]
+        workers = [asyncio.ensure_future(self.worker(queue)) for _ in range(concurrency)]
         stopper = asyncio.ensure_future(self.stop.wait())
         try:
             pending = set(workers)
@@ -386,11 +315,16 @@ async def run_rollouts(
     max_backlog: int | None = None,
     run_id: str | None = None,
     oversample: int = 0,
+    sampler: TaskSampler | None = None,
+    until_steps: int | None = None,
+    deadline_s: float | None = None,
 ) -> RunReport:
     """Run every (task, repeat, member) rollout not already in the state file. `run_id` names
     a new run (a trainer selects its rollouts by it; default: a random one); a resumed state
     file keeps the run id it was started with. `oversample`: members started per group beyond
-    `group_size`; once `group_size` of them ended, the rest are aborted (sandbox/oversample.py)."""
+    `group_size`; once `group_size` of them ended, the rest are aborted (sandbox/oversample.py).
+    `sampler`: a continuous run (sandbox/continuous.py): groups drawn from it instead of
+    `tasks` x `repeat`, until `until_steps` trainer steps or `deadline_s`."""
     if group_size < 1 or repeat < 1 or concurrency < 1 or oversample < 0:
         raise ValueError("group_size, repeat and concurrency must be at least 1, oversample "
                          "at least 0")
@@ -407,18 +341,36 @@ async def run_rollouts(
         if state:
             state.append(header)
     oversampling = Oversampling(group_size, oversample) if oversample else None
-    items = plan(tasks, group_size + oversample, repeat, header.run_id, set(done))
+    members = group_size + oversample
+    items: Iterable[WorkItem]
+    if sampler is None:
+        listed = plan(tasks, members, repeat, header.run_id, set(done))
+        items, total = listed, len(listed)
+    else:
+        sampler.next_group = max((r.repeat + 1 for r in done.values()), default=0)
+        items = sampled_plan(sampler, members, header.run_id)
+        on_finished = _learning(sampler, on_finished)
     stop = stop or asyncio.Event()
     async with AdminClient(gateway, admin_key) as admin:
         run = _Run(admin, harness, backend, run_id=header.run_id, state=state,
-                   crash_reward=crash_reward, stop=stop, total=len(items),
+                   crash_reward=crash_reward, stop=stop,
+                   total=(lambda: total) if sampler is None else (lambda: sampler.groups * members),
                    max_backlog=max_backlog, on_finished=on_finished, on_error=on_error,
                    oversampling=oversampling,
                    kept=[r.group_id for r in done.values() if r.status != "aborted"])
-        await run.execute(items, concurrency)
+        watcher = None
+        if sampler is not None:
+            watcher = asyncio.ensure_future(watch(sampler, admin.policy_version,
+                                                  until_steps=until_steps, deadline_s=deadline_s))
+        try:
+            await run.execute(items, concurrency)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
     return RunReport(
         run_id=header.run_id,
-        total=len(items) + len(done),
+        total=run.total() + len(done),
         skipped=len(done),
         finished=run.finished,
         errors=run.errors,
@@ -428,6 +380,17 @@ async def run_rollouts(
         aborted=run.aborted,
         unneeded=run.unneeded,
     )
+
+
+def _learning(sampler: TaskSampler, then: Callable[[FinishedRollout, Progress], None] | None
+              ) -> Callable[[FinishedRollout, Progress], None]:
+    """An on_finished that first tells `sampler` each kept member's reward."""
+    def finished(record: FinishedRollout, progress: Progress) -> None:
+        if record.status != "aborted":
+            sampler.ended(record.task_id, record.group_id, record.reward)
+        if then is not None:
+            then(record, progress)
+    return finished
 
 
 def _metadata(item: WorkItem, harness: Harness, run_id: str,

@@ -86,3 +86,56 @@ def test_aborted_ledger_trains_nothing_and_says_why():
     assert ledger.excluded_tokens["aborted"] == 7
     assert ledger.reason is not None and ledger.reason.startswith("aborted: a straggler")
     assert "--oversample 0" in ledger.reason
+
+
+def _tasks(n: int):
+    from sandbox.tasks import Task, Verifier
+
+    return [Task(id=f"t{i}", prompt="p", files={}, verifier=Verifier("true", "binary", {}))
+            for i in range(n)]
+
+
+@given(seed=st.integers(0, 2**32))
+def test_sampler_draws_the_same_groups_from_the_same_seed(seed):
+    from sandbox.continuous import TaskSampler
+
+    def draws():
+        sampler = TaskSampler(_tasks(5), 2, seed=seed)
+        out = []
+        for task, group in sampler:
+            out.append((task.id, group))
+            if len(out) == 20:
+                sampler.stop("enough")
+        return out
+
+    first = draws()
+    assert first == draws() and [g for _, g in first] == list(range(20))
+
+
+@given(rewards=st.lists(st.one_of(st.none(), st.sampled_from([0.0, 0.5, 1.0])), max_size=8))
+def test_flatness_is_none_exactly_when_scored_rewards_differ(rewards):
+    from sandbox.continuous import flatness
+
+    scored = [r for r in rewards if r is not None]
+    why = flatness(rewards)
+    assert (why is None) == (len(scored) < 2 or len(set(scored)) > 1)
+    if why == "all passed":
+        assert set(scored) == {1.0}
+
+
+def test_flat_tasks_are_drawn_less_and_the_skips_counted():
+    from sandbox.continuous import TaskSampler
+
+    sampler = TaskSampler(_tasks(2), 2, seed=7, filter_flat=True, window=2, skip_p=0.9)
+    for group in range(2):  # t0 passed twice in every member: flat
+        for _ in range(2):
+            sampler.ended("t0", f"g{group}", 1.0)
+    assert sampler.flat("t0") == "all passed" and sampler.flat("t1") is None
+    drawn = []
+    for task, _ in sampler:
+        drawn.append(task.id)
+        if len(drawn) == 200:
+            sampler.stop("enough")
+    assert drawn.count("t0") < 60 < drawn.count("t1")
+    assert sampler.skipped["all passed"] > 0
+    assert "all passed" in sampler.summary()
