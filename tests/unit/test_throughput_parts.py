@@ -139,3 +139,24 @@ def test_flat_tasks_are_drawn_less_and_the_skips_counted():
     assert drawn.count("t0") < 60 < drawn.count("t1")
     assert sampler.skipped["all passed"] > 0
     assert "all passed" in sampler.summary()
+
+
+def test_run_metrics_name_each_pool_and_how_rollouts_ended():
+    from collections import Counter
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from sandbox.engine_busy import running_requests
+    from sandbox.run_metrics import RunCollector
+
+    pools = PhasePools(agent=2)
+    pools.pools["verify"].note(1.5)
+    registry = CollectorRegistry()
+    registry.register(RunCollector(pools, None, Counter({"aborted": 3, "finished": 5})))
+    text = generate_latest(registry).decode()
+    assert 'rolltap_runner_pool_queue_wait_seconds_total{pool="verify"} 1.5' in text
+    assert 'rolltap_runner_rollouts_ended_total{status="aborted"} 3.0' in text
+    assert "engine_busy" not in text  # no engine sampled
+    vllm = ('vllm:num_requests_running{engine="0",model_name="tiny"} 2.0\n'
+            'vllm:num_requests_running{engine="1",model_name="tiny"} 1.0\n')
+    assert running_requests(vllm) == 3.0 and running_requests("other 1\n") is None
