@@ -43,8 +43,8 @@ from sandbox.pools import PhasePools, stats_line
 from sandbox.presets import Harness
 from sandbox.runner import run_rollouts
 from sandbox.tasks import Task, Timeouts, Verifier
+from stack.tiny_model import write_tiny_model
 from trainer_bridge.config import match_arg
-from trainer_bridge.tiny_model import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP = 8

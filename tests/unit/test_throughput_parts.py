@@ -8,7 +8,7 @@ import asyncio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.store.ledger import aborted
+from core.store.ledger import aborted
 from sandbox.oversample import GroupQuota, Oversampling
 from sandbox.pools import Holder, PhasePools, Pool
 
