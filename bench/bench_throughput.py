@@ -8,6 +8,9 @@ verifiers too, G = 8 and at least 64 rollouts at once. Two runs side by side, th
   setup, agent and verifier phases in pools of their own (the same agent slots as plain's
   concurrency, more sandboxes in all so verifiers never hold an agent's place).
 
+Both keep a tight --max-backlog (the agent slots plus one group, in the members each starts per
+group): the freshness a run wants, and where members that ended wait for their group's slowest.
+
 For each: samples trained per minute (the bridge's trained samples over its wall time), the
 trainer's idle fraction (blocked waiting for samples), staleness (policy versions between
 sampling and training, per sample, TRL's metric), the engine's busy fraction is not measured
@@ -86,11 +89,15 @@ class Setup(msgspec.Struct, frozen=True):
     concurrency: int
     oversample: int
     pools: tuple[int, int, int] | None  # setup, agent, verify slots
+    # --max-backlog: rollouts in flight plus those waiting for the trainer. Tight, to keep the
+    # samples fresh: one group beyond the agent slots, in members each setup starts per group.
+    backlog: int
 
 
 SETUPS = (
-    Setup("plain", AGENT_SLOTS, 0, None),
-    Setup("oversample+pools", AGENT_SLOTS + 48, OVERSAMPLE, (16, AGENT_SLOTS, 32)),
+    Setup("plain", AGENT_SLOTS, 0, None, AGENT_SLOTS + GROUP),
+    Setup("oversample+pools", AGENT_SLOTS + 32, OVERSAMPLE, (16, AGENT_SLOTS, 32),
+          (AGENT_SLOTS + GROUP) * (GROUP + OVERSAMPLE) // GROUP),
 )
 
 
@@ -130,7 +137,7 @@ async def _rollouts(setup: Setup, gateway: str, run_id: str, harness: Harness, r
     report = await run_rollouts(
         [], harness, gateway=gateway, admin_key=ADMIN_KEY, group_size=GROUP, backend=backend,
         concurrency=setup.concurrency, run_id=run_id, oversample=setup.oversample,
-        max_backlog=setup.concurrency + 4 * GROUP, sampler=sampler, until_steps=STEPS,
+        max_backlog=setup.backlog, sampler=sampler, until_steps=STEPS,
         deadline_s=1800)
     return report, pools
 

@@ -99,6 +99,7 @@ class _Run:
         on_error: Callable[[ItemError, Progress], None] | None,
         oversampling: Oversampling | None = None,
         kept: Sequence[str] = (),
+        drawing_stopped: Callable[[], bool] = lambda: False,
     ) -> None:
         self.admin, self.harness, self.backend = admin, harness, backend
         self.run_id, self.state, self.crash_reward, self.stop = run_id, state, crash_reward, stop
@@ -121,6 +122,9 @@ class _Run:
         self.stragglers: set[Key] = set()  # being stopped: their group is full
         self.sandboxed: set[Key] = set()  # rollouts whose sandbox is running
         self.aborted = self.unneeded = 0
+        # A continuous run stopped drawing: a rollout waiting for the trainer is not started
+        # (the trainer that would make room may have finished).
+        self.drawing_stopped = drawing_stopped
 
     def progress(self) -> Progress:
         return Progress(self.done, self.total(), self.sandboxes)
@@ -168,6 +172,8 @@ class _Run:
         async with self.admitting:
             started = time.monotonic()
             while self.max_backlog is not None and not self.stop.is_set():
+                if self.drawing_stopped():
+                    return False
                 backlog = await self.admin.backlog(self.run_id)
                 if self.in_flight + backlog.waiting < self.max_backlog:
                     break
@@ -357,7 +363,8 @@ async def run_rollouts(
                    total=(lambda: total) if sampler is None else (lambda: sampler.groups * members),
                    max_backlog=max_backlog, on_finished=on_finished, on_error=on_error,
                    oversampling=oversampling,
-                   kept=[r.group_id for r in done.values() if r.status != "aborted"])
+                   kept=[r.group_id for r in done.values() if r.status != "aborted"],
+                   drawing_stopped=lambda: sampler is not None and sampler.stopped is not None)
         watcher = None
         if sampler is not None:
             watcher = asyncio.ensure_future(watch(sampler, admin.policy_version,
