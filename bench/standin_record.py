@@ -9,6 +9,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from bench.standin import COMPLETION_TOKENS, DATA, META, REQUEST, STREAM, STREAM_ATTEMPTS, WHOLE
 
@@ -16,7 +17,8 @@ from bench.standin import COMPLETION_TOKENS, DATA, META, REQUEST, STREAM, STREAM
 def upstream_body(request: dict, stream: bool) -> dict:
     """The harness request as the gateway forwards it: capture fields on, exactly
     COMPLETION_TOKENS sampled tokens (`ignore_eos`, so a short random answer cannot stop it)."""
-    body = dict(request, stream=stream, return_token_ids=True, logprobs=True, top_logprobs=0)
+    body: dict[str, Any] = dict(request, stream=stream, return_token_ids=True, logprobs=True,
+                                top_logprobs=0)
     body.update(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, ignore_eos=True)
     body["max_tokens"] = COMPLETION_TOKENS
     if stream:
