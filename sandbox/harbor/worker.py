@@ -74,6 +74,41 @@ def _phase_hooks(trial) -> None:
     trial.add_hook(TrialEvent.AGENT_START, agent)
 
 
+def _pool_hooks(trial, holder) -> None:
+    """Moves the trial between the run's phase pools (sandbox/pools.py) as Harbor announces
+    its phases: environment start and health check, agent install and run (one slot from
+    AGENT_START, Harbor's install comes before it under the setup slot), verification."""
+    from harbor.trial.hooks import TrialEvent
+
+    def enter(phase):
+        async def hook(_event) -> None:
+            await holder.enter(phase)
+        return hook
+
+    async def leave(_event) -> None:
+        holder.leave()
+
+    trial.add_hook(TrialEvent.ENVIRONMENT_START, enter("setup"))
+    trial.add_hook(TrialEvent.AGENT_START, enter("agent"))
+    trial.add_hook(TrialEvent.AGENT_END, leave)
+    trial.add_hook(TrialEvent.VERIFICATION_START, enter("verify"))
+    trial.add_hook(TrialEvent.END, leave)
+    trial.add_hook(TrialEvent.CANCEL, leave)
+
+
+_pools = None  # the run's phase pools, from its first request
+
+
+def _holder(request: TrialRequest):
+    global _pools
+    from sandbox.pools import Holder, PhasePools
+
+    if _pools is None:
+        limits = request.pool_limits
+        _pools = PhasePools(limits.get("setup"), limits.get("agent"), limits.get("verify"))
+    return Holder(_pools)
+
+
 def _seconds(timing) -> float | None:
     if timing is None or timing.started_at is None or timing.finished_at is None:
         return None
@@ -94,7 +129,12 @@ async def run_trial(request: TrialRequest) -> TrialReply:
         )
         trial = await Trial.create(config)
         _phase_hooks(trial)
-        result = await trial.run()
+        holder = _holder(request)
+        _pool_hooks(trial, holder)
+        try:
+            result = await trial.run()
+        finally:
+            holder.leave()
     except Exception as exc:  # the trial never ran: the caller reports it as this rollout's
         return TrialReply(id=request.id, rewards=None, reward_valid=False,
                           error=f"{type(exc).__name__}: {exc}")
@@ -114,6 +154,7 @@ async def run_trial(request: TrialRequest) -> TrialReply:
         failure_cause=getattr(cause, "value", cause) if cause is not None else None,
         phases=phases,
         trial_dir=str(os.path.join(request.trials_dir, request.trial_name)),
+        queue_wait_s={k: round(v, 3) for k, v in holder.waited_s.items()},
     )
 
 
