@@ -164,6 +164,7 @@ class _Attempt(NamedTuple):
     upstream: str
     rerouted: str | None
     clock: Clock
+    version_at_start: int  # the policy version live when the engine was asked
 
     def ended(
         self, status: str, failure: GatewayError | None, payload: dict[str, Any] | None = None,
@@ -229,7 +230,7 @@ class ReplicaExchange:
             None if sent.streamed else (lambda why: call.abort("failed", why))
         )
         for attempt in range(2):
-            at = _Attempt(call, sent, reading, *placement, clock)
+            at = _Attempt(call, sent, reading, *placement, clock, self._policy.value)
             upstreams.begin(at.upstream, on_eject)
             try:
                 try:
@@ -267,12 +268,10 @@ class ReplicaExchange:
                 self.blame(at.upstream, None, f"HTTP {resp.status}", at.call)
             return at.ended("failed", upstream_error(resp.status, await resp.read()))
         if not at.sent.streamed:
-            return await self._whole(at, resp, self._policy.value)
+            return await self._whole(at, resp)
         return await self._streamed(at, resp, await open_stream())
 
-    async def _whole(
-        self, at: _Attempt, resp: aiohttp.ClientResponse, version_at_start: int
-    ) -> Exchanged:
+    async def _whole(self, at: _Attempt, resp: aiohttp.ClientResponse) -> Exchanged:
         try:
             raw = await at.clock.wait("engine", resp.read())
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -281,7 +280,7 @@ class ReplicaExchange:
             return at.ended("failed", GatewayError(502, message, "upstream_error"))
         # The tokens were sampled under the version live at the start or the one at the end:
         # stamp the older, so staleness is never underestimated.
-        payload = at.reading.whole(raw, min(version_at_start, self._policy.value))
+        payload = at.reading.whole(raw, min(at.version_at_start, self._policy.value))
         problem = at.reading.capture.check()
         at.clock.lap("engine")
         self._upstreams.succeeded(at.upstream)

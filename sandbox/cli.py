@@ -293,6 +293,7 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
+    assert main_task is not None  # a coroutine runs in a task
 
     def on_signal() -> None:
         if stop.is_set():
