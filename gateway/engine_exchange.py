@@ -105,13 +105,24 @@ class EngineExchange(Protocol):
         ...
 
 
+class _ErrorDetail(msgspec.Struct):
+    message: str | None = None
+
+
+class _ErrorBody(msgspec.Struct):
+    """An engine's error body: `{"error": {"message": ...}}`, or the message at the top."""
+
+    error: _ErrorDetail | None = None
+    message: str | None = None
+
+
 def upstream_error(status: int, raw: bytes) -> GatewayError:
     """An engine error, in the gateway's neutral form, keeping the engine's message."""
     try:
-        payload = _decode(raw)
-        err = payload.get("error", payload) if isinstance(payload, dict) else {}
-        message = err.get("message") or raw.decode(errors="replace")
-    except msgspec.DecodeError:
+        body = _decode(raw, type=_ErrorBody)
+        message = (body.error.message if body.error is not None else body.message) or (
+            raw.decode(errors="replace"))
+    except msgspec.DecodeError:  # not JSON, or not an error body
         message = raw.decode(errors="replace")[:2000]
     lowered = message.lower()
     if any(w in lowered for w in ("context length", "maximum context", "too long", "input length")):

@@ -88,7 +88,7 @@ class Turn:
             return replace(self, record=record, prompt_ids=None, parent_full=None)
         return self
 
-    def engine_messages(self, messages: list) -> list | msgspec.Raw:
+    def engine_messages(self, messages: list[Any]) -> list[Any] | msgspec.Raw:
         """The `messages` the engine is sent. Given the prompt ids (an exact continuation) it
         neither templates nor tokenizes them, so only the continued reply and what follows it
         go: the rest would be sent, parsed and validated for nothing (at 32k tokens, 130 kB a
