@@ -20,15 +20,16 @@ from uuid import UUID
 import aiohttp
 import msgspec
 
+from core.store import calls as calls_store
 from gateway.call_values import EngineResult
 from gateway.engine_reading import EngineReading
 from gateway.protocols.errors import GatewayError
-from gateway.store import calls as calls_store
 from gateway.upstream import StreamStalled, sse_batches
 
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from core.store.conn import Pool
     from gateway.capture import Capture
     from gateway.config import GatewayConfig
     from gateway.engine_body import EngineRequest
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from gateway.policy_version import PolicyVersion
     from gateway.protocols.adapter import Stream
     from gateway.stage_cpu import Clock
-    from gateway.store.conn import Pool
     from gateway.upstream import Upstreams
 
 _decode = msgspec.json.decode

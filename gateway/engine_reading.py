@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from core.store.tokens import IDS, LOGPROBS
 from gateway import engine_ids
 from gateway.call_values import EngineResult
 from gateway.capture import Capture
-from gateway.store.tokens import IDS, LOGPROBS
 
 if TYPE_CHECKING:
     from gateway.engine_body import EngineRequest

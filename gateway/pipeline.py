@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from core.store import calls as calls_store
 from gateway import call_request, engine_body
 from gateway.admission import RunningCall
 from gateway.app_keys import STREAM_STARTED
@@ -24,9 +25,9 @@ from gateway.engine_exchange import UNSENT_LIMIT, Relay
 from gateway.protocols.adapter import CHAT_PATH, Adapter
 from gateway.protocols.errors import GatewayError
 from gateway.stage_cpu import Clock, StageCpu
-from gateway.store import calls as calls_store
 
 if TYPE_CHECKING:
+    from core.store.conn import Pool
     from gateway.admission import Admission
     from gateway.config import GatewayConfig
     from gateway.continuation.planner import Continuer, Turn
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
     from gateway.recording import Recording
     from gateway.rollout_memory import RolloutMemory
     from gateway.served_models import ServedModels
-    from gateway.store.conn import Pool
 
 log = logging.getLogger(__name__)
 
