@@ -328,9 +328,7 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
             run_id=args.run_id,
         )
     finally:
-        aclose = getattr(backend, "aclose", None)  # a backend with a worker of its own
-        if aclose is not None:
-            await aclose()
+        await backend.aclose()
     records = _summary(args, report, backend)
     if report.interrupted:
         left = report.total - len(records)

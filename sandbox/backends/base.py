@@ -118,3 +118,7 @@ def needs_verifier(status: SandboxStatus, crash_reward: CrashReward) -> bool:
 
 class Backend(Protocol):
     async def run(self, request: SandboxRequest) -> SandboxResult: ...
+
+    async def aclose(self) -> None:
+        """Ends what the backend keeps between sandboxes (Harbor's worker process)."""
+        ...

@@ -386,6 +386,9 @@ class LocalBackend:
         self.expected: dict[str, frozenset[str]] = {}
         self.image_cache = image_cache
 
+    async def aclose(self) -> None:
+        """Nothing outlives its sandbox here."""
+
     async def run(self, request: SandboxRequest) -> SandboxResult:
         _check_urls(request)
         parent = sandbox_parent(self.root)
