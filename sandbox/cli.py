@@ -307,6 +307,7 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
+    assert main_task is not None  # a coroutine runs in a task
 
     def on_signal() -> None:
         if stop.is_set():
@@ -339,9 +340,7 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
         )
     finally:
         await extras.stop()
-        aclose = getattr(backend, "aclose", None)  # a backend with a worker of its own
-        if aclose is not None:
-            await aclose()
+        await backend.aclose()
     records = _summary(args, report, backend)
     extras.print_summary(report)
     if report.interrupted:

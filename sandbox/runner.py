@@ -102,7 +102,8 @@ class _Run:
         drawing_stopped: Callable[[], bool] = lambda: False,
     ) -> None:
         self.admin, self.harness, self.backend = admin, harness, backend
-        self.run_id, self.state, self.crash_reward, self.stop = run_id, state, crash_reward, stop
+        self.run_id, self.state, self.stop = run_id, state, stop
+        self.crash_reward: CrashReward = crash_reward
         self.private_paths = (os.path.abspath(state.path),) if state else ()
         self.on_finished, self.on_error = on_finished, on_error
         self.total = total

@@ -403,6 +403,9 @@ class LocalBackend:
         self.image_cache = image_cache
         self.pools = pools or PhasePools()
 
+    async def aclose(self) -> None:
+        """Nothing outlives its sandbox here."""
+
     async def run(self, request: SandboxRequest) -> SandboxResult:
         _check_urls(request)
         parent = sandbox_parent(self.root)

@@ -79,6 +79,9 @@ class RayBackend:
         )(run_in_worker)
         self._local_options = local_options
 
+    async def aclose(self) -> None:
+        """Nothing outlives its sandbox here (the Ray session is the process's)."""
+
     async def run(self, request: SandboxRequest) -> SandboxResult:
         ref = self._remote.remote(request, self._local_options)
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 # Harbor reaches for the network at import unless told not to (telemetry, litellm's cost map).
 os.environ.setdefault("HARBOR_TELEMETRY", "0")
@@ -33,12 +34,13 @@ BWRAP = "sandbox.harbor.environment:BwrapEnvironment"
 
 
 def _environment_config(request: TrialRequest):
+    from harbor.models.environment_type import EnvironmentType
     from harbor.models.trial.config import EnvironmentConfig
 
     name = BWRAP if request.environment == "bwrap" else request.environment
     if ":" in name:
         return EnvironmentConfig(import_path=name, kwargs=dict(request.environment_kwargs))
-    return EnvironmentConfig(type=name, kwargs=dict(request.environment_kwargs))
+    return EnvironmentConfig(type=EnvironmentType(name), kwargs=dict(request.environment_kwargs))
 
 
 def _agent_config(request: TrialRequest):
@@ -47,9 +49,10 @@ def _agent_config(request: TrialRequest):
     from sandbox.harbor.agents import OFFLINE
 
     agent = OFFLINE.get(request.agent, request.agent)
-    where = {"import_path": agent} if ":" in agent else {"name": agent}
-    return AgentConfig(**where, model_name=request.model, env=dict(request.agent_env),
-                       kwargs=dict(request.agent_kwargs))
+    by_path = ":" in agent  # module:Class, or one of Harbor's agent names
+    return AgentConfig(name=None if by_path else agent, import_path=agent if by_path else None,
+                       model_name=request.model, env=dict(request.agent_env),
+                       kwargs=dict(request.agent_kwargs))  # fmt: skip
 
 
 def _phase_hooks(trial) -> None:
@@ -121,9 +124,9 @@ async def run_trial(request: TrialRequest) -> TrialReply:
 
     try:
         config = TrialConfig(
-            task=TaskConfig(path=request.task_dir),
+            task=TaskConfig(path=Path(request.task_dir)),
             trial_name=request.trial_name,
-            trials_dir=request.trials_dir,
+            trials_dir=Path(request.trials_dir),
             agent=_agent_config(request),
             environment=_environment_config(request),
         )
