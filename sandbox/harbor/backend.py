@@ -43,6 +43,7 @@ from sandbox.harbor.protocol import (
     encode,
 )
 from sandbox.harbor.seal import sealed_reward
+from sandbox.pools import PhasePools
 from sandbox.relay import inside_url
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -149,7 +150,7 @@ class HarborBackend:
                  environment_kwargs: dict[str, Any] | None = None,
                  agent_kwargs: dict[str, Any] | None = None,
                  extra_env: dict[str, str] | None = None, reward_key: str = "reward",
-                 trials_dir: str | None = None) -> None:
+                 trials_dir: str | None = None, pools: PhasePools | None = None) -> None:
         self.agent, self.model, self.gateway = agent, model, gateway
         self.public_url = public_url or gateway
         self.environment = environment
@@ -160,6 +161,8 @@ class HarborBackend:
         self.extra_env = dict(extra_env or {})
         self.reward_key = reward_key
         self.trials_dir = trials_dir or tempfile.mkdtemp(prefix="rolltap-harbor-trials-")
+        # The limits go to the worker, which holds the slots; the waits it reports land here.
+        self.pools = pools or PhasePools()
         self.python = harbor_python()
         self.ready: Ready | None = None
         self._ids = itertools.count(1)
@@ -262,7 +265,8 @@ class HarborBackend:
             agent="oracle" if oracle else "nop", model=None, agent_env={},
             environment=self.environment,
             environment_kwargs={**self.environment_kwargs, "seal": "collect",
-                                "seal_stub": not oracle}))
+                                "seal_stub": not oracle},
+            pool_limits=self.pools.limits()))
         return reply.seal
 
     async def run(self, request: SandboxRequest) -> SandboxResult:
@@ -276,8 +280,11 @@ class HarborBackend:
             trials_dir=self.trials_dir, agent=self.agent, model=self.model,
             agent_env=self._env(request), agent_kwargs=self.agent_kwargs,
             environment=self.environment,
-            environment_kwargs={**self.environment_kwargs, **seal})
+            environment_kwargs={**self.environment_kwargs, **seal},
+            pool_limits=self.pools.limits())
         reply = await self._trial(trial)
+        for phase, waited in reply.queue_wait_s.items():
+            self.pools.note(phase, waited)
         outcome = trial_outcome(reply, self.reward_key, collected)
         return SandboxResult(
             status=outcome.status, reward=outcome.reward, reward_detail=outcome.detail,
