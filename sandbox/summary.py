@@ -8,9 +8,8 @@ from typing import Any
 
 import msgspec
 
-from sandbox.backends.base import unscorable_cause
-from sandbox.harbor.seal import UNSEALED
-from sandbox.state import FinishedRollout
+from sandbox.harbor.protocol import UNSEALED
+from sandbox.state import FinishedRollout, unscorable_cause
 
 SHOWN_REWARDS = 16
 

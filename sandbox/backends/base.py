@@ -7,8 +7,10 @@ from typing import Literal, Protocol
 
 import msgspec
 
+from sandbox.gateway_client import GatewayStatus, RolloutAccess
 from sandbox.presets import Harness
 from sandbox.process import ProcessOutcome
+from sandbox.state import unscorable_cause
 from sandbox.tasks import Task
 from sandbox.verifier import VerifierResult
 
@@ -19,19 +21,8 @@ SandboxStatus = Literal["ok", "crashed", "timeout", "setup_failed", "tampered"]
 # bwrap: every phase confined (confine.py). none: the explicit opt-out, shown in the summary.
 # harbor: a Harbor backend other than rolltap's own (podman, Daytona, ...) confines it.
 Isolation = Literal["bwrap", "none", "harbor"]
-GatewayStatus = Literal["finished", "failed", "timeout"]
 
 ERROR_TAIL = 2000
-
-
-class RolloutAccess(msgspec.Struct, frozen=True):
-    """What the harness gets from the gateway: its rollout's key and the base URLs. Never the
-    admin key."""
-
-    rollout_id: str
-    api_key: str
-    openai_base_url: str
-    anthropic_base_url: str
 
 
 class SandboxRequest(msgspec.Struct, frozen=True):
@@ -100,14 +91,6 @@ class SandboxResult(msgspec.Struct, frozen=True):
         if self.status != "ok" and failed is not None:
             m["stderr_tail"] = failed.stderr[-ERROR_TAIL:]
         return m
-
-
-def unscorable_cause(detail: str, status: str) -> str:
-    """Why a rollout has no reward, in a word: the cause its detail names after
-    `unscorable:` (Harbor's failure cause, `unanswered`), else its sandbox status. Pure."""
-    if detail.startswith("unscorable: "):
-        return detail.removeprefix("unscorable: ").split(":", 1)[0].strip() or "unscorable"
-    return status
 
 
 def decide_reward(

@@ -82,3 +82,8 @@ decoder = msgspec.json.Decoder(Message)
 
 def encode(message: Message) -> bytes:
     return encoder.encode(message) + b"\n"
+
+
+# The reward detail of a verifier phase that ran no sealed pytest (seal.py); the run summary
+# names its tasks.
+UNSEALED = "verdict unsealed: the tested code can change it"

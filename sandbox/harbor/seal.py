@@ -33,14 +33,13 @@ from dataclasses import dataclass
 import msgspec
 
 from sandbox import pytest_report
-from sandbox.harbor.protocol import SealReport
+from sandbox.harbor.protocol import UNSEALED, SealReport
 from sandbox.verifier import Sentinels, Tampered, drain, judge, make_sentinels, read_channel
 
 SEAL_DIR = ".rolltap-seal"  # a top-level directory of the verifier's view
 # Setups the verifier phase offers: a test.sh that runs pytest more often runs unsealed after.
 MAX_RUNS = 8
 PYTHONS = ("python", "python3", *(f"python3.{minor}" for minor in range(8, 15)))
-UNSEALED = "verdict unsealed: the tested code can change it"
 
 # `$0` is the shim's path: the real command is the first of its name on PATH after SEAL_DIR.
 SHIM = r"""#!/bin/sh

@@ -13,9 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sandbox import pytest_report
-from sandbox.harbor.protocol import SealReport
+from sandbox.harbor.protocol import UNSEALED, SealReport
 from sandbox.harbor.seal import (
-    UNSEALED,
     collect_report,
     judge_report,
     make_setups,
