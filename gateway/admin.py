@@ -13,7 +13,7 @@ import msgspec
 from aiohttp import web
 
 from gateway.admin_http import admin_app, decode_body, json_response
-from gateway.app_keys import CONFIG, MEMORY, POLICY, POOL, ROLLOUT_KEYS
+from gateway.app_keys import CONFIG, MEMORY, MERGER, POLICY, POOL, ROLLOUT_KEYS
 from gateway.auth import hash_key, new_rollout_key
 from gateway.call_request import sampling_policy
 from gateway.continuation.splice import counts as continuation_counts
@@ -141,10 +141,10 @@ async def finish_rollout(request: web.Request) -> web.Response:
     metrics = spec.metrics
     if metrics is not None:
         # The metrics carry the harness's own output (stderr tails), which may hold any byte:
-        # NULs are removed, not refused, and the removal is recorded with them.
-        metrics, removed = values.without_nul(metrics)
-        if removed:
-            metrics["rolltap_removed_nul_characters"] = removed
+        # what Postgres cannot store is escaped, not refused, and the count recorded with them.
+        metrics, escaped = values.storable(metrics)
+        if escaped:
+            metrics["rolltap_escaped"] = escaped
         _storable(metrics=metrics)
     async with app[POOL].acquire() as conn:
         ended = await rollouts_store.finish(conn, rollout_id, spec.status, spec.reward, metrics)
@@ -153,7 +153,7 @@ async def finish_rollout(request: web.Request) -> web.Response:
     app[ROLLOUT_KEYS].forget(rollout_id)
     app[MEMORY].forget(rollout_id)
     if row is not None and row["status"] != "running" and (ended or row["merged_at"] is None):
-        await merge_rollout(app[POOL], rollout_id, app[CONFIG].merge_options)
+        await merge_rollout(app[POOL], app[MERGER], rollout_id, app[CONFIG].merge_options)
     summary = await _summary(app[POOL], rollout_id)
     if not ended and (summary["status"], summary["reward"]) != (spec.status, spec.reward):
         raise GatewayError(

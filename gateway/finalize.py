@@ -1,14 +1,20 @@
 """Ending a rollout: merge its calls into traces, store them, announce them.
 
 Runs on finish, on deadline expiry, and for any ended rollout found unmerged (a gateway that
-died between the two). The merge itself is pure (gateway/merge/) and runs in a worker thread:
-a 200-call rollout takes milliseconds, but the event loop serves streams meanwhile.
+died between the two). The merge itself is pure (gateway/merge/) and runs in a process of its
+own (`MergeWorker`): a 200-call rollout takes milliseconds, but one of 40,000 calls holds a CPU for
+seconds, and in a thread of the gateway's process it would hold the interpreter lock the event
+loop needs to serve the other rollouts' calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 from uuid import UUID
 
 import asyncpg
@@ -16,7 +22,7 @@ import msgspec
 import numpy as np
 
 from gateway.merge import merge
-from gateway.merge.values import STATUSES, CallTokens, MergeOptions
+from gateway.merge.values import STATUSES, CallTokens, MergeOptions, MergeResult
 from gateway.store import traces as traces_store
 from gateway.store.tokens import (
     StoredTokens,
@@ -62,7 +68,7 @@ def _call(row, prompt: np.ndarray) -> CallTokens:
     )
 
 
-def _calls(rows) -> list[CallTokens]:
+def _calls(rows: Sequence[Mapping[str, Any]]) -> list[CallTokens]:
     prompts = reconstruct_prompts(
         StoredTokens(r["id"], r["base_id"], r["prefix_len"], r["prompt_delta"], r["completion_ids"])
         for r in rows
@@ -70,7 +76,35 @@ def _calls(rows) -> list[CallTokens]:
     return [_call(r, prompts[r["id"]]) for r in rows]
 
 
-async def merge_rollout(pool: asyncpg.Pool, rollout_id: UUID, options: MergeOptions) -> dict | None:
+def merge_rows(rows: Sequence[Mapping[str, Any]], options: MergeOptions) -> MergeResult:
+    """The merge of a rollout's stored call rows (what runs in the worker process)."""
+    return merge(_calls(rows), options)
+
+
+class MergeWorker:
+    """One process that runs merges, started on the first; merges queue for it."""
+
+    def __init__(self) -> None:
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def merge(self, rows: Sequence[asyncpg.Record], options: MergeOptions) -> MergeResult:
+        if self._pool is None:
+            # Spawned, not forked: a fork of a process running an event loop and threads can
+            # inherit a held lock.
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        plain = [dict(r) for r in rows]
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, merge_rows, plain, options)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+async def merge_rollout(
+    pool: asyncpg.Pool, worker: MergeWorker, rollout_id: UUID, options: MergeOptions
+) -> dict | None:
     """Merges and stores the traces of one rollout; returns the merge statistics, or None when
     its records could not be merged (the rollout is then marked with the reason, shown by the
     admin API, and not tried again by the sweeper)."""
@@ -80,7 +114,7 @@ async def merge_rollout(pool: asyncpg.Pool, rollout_id: UUID, options: MergeOpti
     # The gateway's options, with the rollout's own word on its side calls.
     options = msgspec.structs.replace(options, side_calls=side_calls)
     try:
-        result = await asyncio.to_thread(lambda: merge(_calls(rows), options))
+        result = await worker.merge(rows, options)
     except Exception as exc:  # noqa: BLE001 - bad data must not stop the merging of others
         log.exception("rollout %s cannot be merged", rollout_id)
         async with pool.acquire() as conn:

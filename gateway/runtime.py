@@ -23,7 +23,7 @@ from gateway.continuation.local_template import LocalTemplate, Unsupported
 from gateway.continuation.planner import Continuer
 from gateway.continuation.rendering import RenderError
 from gateway.continuation.window import WindowedRenderer
-from gateway.finalize import merge_rollout
+from gateway.finalize import MergeWorker, merge_rollout
 from gateway.health import DatabaseCheck, database_health
 from gateway.merge import MAX_CALLS
 from gateway.metrics import Metrics
@@ -66,6 +66,7 @@ class Runtime:
             pool,
             max_pending=config.max_pending_records,
             command_timeout_s=config.db_command_timeout_s,
+            commit_wait_s=config.commit_wait_s,
             limits=calls_store.Limits(MAX_CALLS, int(config.rollout_max_stored_mb * (1 << 20))),
         )
         self.upstreams = Upstreams(
@@ -77,8 +78,9 @@ class Runtime:
         )
         self.keys = RolloutKeys(pool)
         self.database_check = DatabaseCheck(
-            lambda: database_health(pool, lambda: self.recorder.down))
+            lambda: database_health(pool, self.recorder.trouble))
         self.memory = RolloutMemory(config.recent_calls_mib << 20)
+        self.merger = MergeWorker()
         self.policy = PolicyVersion()
         self.models = ServedModels(self.upstreams)
         self.admission = Admission(config.max_inflight, config.rollout_max_inflight,
@@ -123,6 +125,7 @@ class Runtime:
         app[app_keys.ADMISSION] = self.admission
         app[app_keys.DATABASE_CHECK] = self.database_check
         app[app_keys.PIPELINE] = self.pipeline
+        app[app_keys.MERGER] = self.merger
         app.cleanup_ctx.append(self._lifecycle)
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
@@ -133,6 +136,7 @@ class Runtime:
         await self.notifications.stop()
         await self.recorder.close()
         await self.upstreams.close()
+        self.merger.close()
 
     async def _start(self) -> None:
         await self.upstreams.open()
@@ -171,6 +175,7 @@ class Runtime:
                 for rollout_id in pending:
                     # A rollout that cannot be merged is marked so by merge_rollout; nothing one
                     # rollout holds may stop the sweep of the others.
-                    await merge_rollout(self.pool, rollout_id, self.config.merge_options)
+                    await merge_rollout(self.pool, self.merger, rollout_id,
+                                        self.config.merge_options)
             except Exception:  # noqa: BLE001 - the sweeper must outlive any single failure
                 log.exception("deadline sweep failed; retrying")
