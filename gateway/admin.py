@@ -153,7 +153,7 @@ async def finish_rollout(request: web.Request) -> web.Response:
     app[ROLLOUT_KEYS].forget(rollout_id)
     app[MEMORY].forget(rollout_id)
     if row is not None and row["status"] != "running" and (ended or row["merged_at"] is None):
-        await merge_rollout(app[POOL], app[MERGER], rollout_id, app[CONFIG].merge_options)
+        await merge_rollout(app[MERGER], rollout_id, app[CONFIG].merge_options)
     summary = await _summary(app[POOL], rollout_id)
     if not ended and (summary["status"], summary["reward"]) != (spec.status, spec.reward):
         raise GatewayError(

@@ -59,7 +59,7 @@ def _renderer(config: GatewayConfig, upstreams: Upstreams) -> EngineRenderer | C
 
 
 class Runtime:
-    def __init__(self, config: GatewayConfig, pool: asyncpg.Pool) -> None:
+    def __init__(self, config: GatewayConfig, pool: asyncpg.Pool, dsn: str) -> None:
         self.config = config
         self.pool = pool
         self.recorder = Recorder(
@@ -80,7 +80,7 @@ class Runtime:
         self.database_check = DatabaseCheck(
             lambda: database_health(pool, self.recorder.trouble))
         self.memory = RolloutMemory(config.recent_calls_mib << 20)
-        self.merger = MergeWorker()
+        self.merger = MergeWorker(dsn)
         self.policy = PolicyVersion()
         self.models = ServedModels(self.upstreams)
         self.admission = Admission(config.max_inflight, config.rollout_max_inflight,
@@ -175,7 +175,7 @@ class Runtime:
                 for rollout_id in pending:
                     # A rollout that cannot be merged is marked so by merge_rollout; nothing one
                     # rollout holds may stop the sweep of the others.
-                    await merge_rollout(self.pool, self.merger, rollout_id,
+                    await merge_rollout(self.merger, rollout_id,
                                         self.config.merge_options)
             except Exception:  # noqa: BLE001 - the sweeper must outlive any single failure
                 log.exception("deadline sweep failed; retrying")

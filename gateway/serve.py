@@ -65,7 +65,7 @@ async def _serve(cfg) -> None:
             f"rolltap gateway: cannot open database {dsn!r}: {exc}. Check "
             "--database-url (or drop it to use the embedded Postgres)."
         ) from exc
-    app = build_app(Runtime(cfg, pool))
+    app = build_app(Runtime(cfg, pool, dsn))
     # keepalive_timeout bounds a connection's wait for a complete request head, from its first
     # byte and between keep-alive requests: slow-header and idle connections are closed. After
     # an answer that left the body unread (a 408 for a trickling body), the rest is drained for

@@ -13,7 +13,7 @@ import asyncpg
 import httpx
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.support.gateway import GatewayProcess
@@ -348,6 +348,7 @@ def test_arbitrary_json_is_a_4xx_or_a_recorded_call(fuzz_gw, vllm_server, protoc
         before = asyncio.run(_call_count(dsn, rollout["rollout_id"]))
         r = client.post(path, content=raw, headers=auth)
         _check_answer(r, protocol)
+        event(f"HTTP {r.status_code}")  # --hypothesis-show-statistics: how many were recorded
         if r.status_code < 300:
             # Answered, so recorded: a stream's failure to record would show here, not in its
             # status line.
