@@ -26,7 +26,7 @@ import numpy as np
 
 from bench import standin
 from bench.bench_gateway import ADMIN_KEY, POSTGRES_URL, Gateway, admin_sql, free_port
-from gateway.store import calls as calls_store
+from core.store import calls as calls_store
 
 CALLS = 40_000
 CLIENTS = 8
@@ -51,7 +51,7 @@ def independent_call(rollout_id: uuid.UUID, rng: np.random.Generator) -> calls_s
 async def write_calls(dsn: str, rollout_id: str, n: int) -> None:
     import asyncpg
 
-    from gateway.store.db import init_connection
+    from core.store.db import init_connection
 
     rng = np.random.default_rng(0)
     conn = await asyncpg.connect(dsn)

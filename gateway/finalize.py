@@ -1,7 +1,7 @@
 """Ending a rollout: merge its calls into traces, store them, announce them.
 
 Runs on finish, on deadline expiry, and for any ended rollout found unmerged (a gateway that
-died between the two). The merge itself is pure (gateway/merge/); it runs, with the reading of
+died between the two). The merge itself is pure (core/merge/); it runs, with the reading of
 the rollout's rows and the writing of its traces, in a process of its own (`MergeWorker`): a
 200-call rollout takes milliseconds, but one of 40,000 calls holds a CPU for seconds, and in a
 thread of the gateway's process it would hold the interpreter lock the event loop needs to serve
@@ -21,11 +21,11 @@ import asyncpg
 import msgspec
 import numpy as np
 
-from gateway.merge import merge
-from gateway.merge.values import STATUSES, CallTokens, MergeOptions
-from gateway.store import traces as traces_store
-from gateway.store.db import init_connection
-from gateway.store.tokens import (
+from core.merge import merge
+from core.merge.values import STATUSES, CallTokens, MergeOptions
+from core.store import traces as traces_store
+from core.store.db import init_connection
+from core.store.tokens import (
     StoredTokens,
     ids_from_bytes,
     logprobs_from_bytes,

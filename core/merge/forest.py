@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gateway.merge import forks as fork_search
-from gateway.merge.values import CallTokens, MergedSequence, MergeOptions
+from core.merge import forks as fork_search
+from core.merge.values import CallTokens, MergedSequence, MergeOptions
 
 if TYPE_CHECKING:
-    from gateway.merge.prefixes import Packed, Prefixes
+    from core.merge.prefixes import Packed, Prefixes
 
 _NONE = np.iinfo(np.int64).max
 
@@ -74,7 +74,7 @@ class Forest:
             self.parent[i] >= 0 and i == self.continuation[self.parent[i]])]
 
     def fork_causes(self, forks: list[int]) -> dict[int, str]:
-        """The cause of each fork (gateway.merge.forks)."""
+        """The cause of each fork (core.merge.forks)."""
         parent = self.parent.tolist()
         subtree_min = list(range(len(parent)))
         for i in reversed(self.preorder):

@@ -9,8 +9,8 @@ from uuid import UUID
 import msgspec
 import numpy as np
 
-from gateway.store import bodies, values
-from gateway.store.tokens import (
+from core.store import bodies, values
+from core.store.tokens import (
     StoredTokens,
     chain_ids,
     ids_from_bytes,
@@ -19,7 +19,7 @@ from gateway.store.tokens import (
 )
 
 if TYPE_CHECKING:
-    from gateway.store.conn import Conn
+    from core.store.conn import Conn
 
 
 class CallRecord(msgspec.Struct, kw_only=True):
@@ -109,7 +109,7 @@ _JSON = ("requested", "applied", "continuation")
 
 
 def storable_record(r: CallRecord) -> CallRecord:
-    """`r` with every text and jsonb value made storable (gateway.store.values.storable), so no
+    """`r` with every text and jsonb value made storable (core.store.values.storable), so no
     value a client sent can make the commit fail; the columns that changed are listed in
     applied["escaped"]."""
     fields = msgspec.structs.asdict(r)
