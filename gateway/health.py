@@ -24,8 +24,9 @@ _DATABASE_TIMEOUT_S = 0.8  # a frozen database must make the answer "down", not 
 
 
 async def database_health(pool: asyncpg.Pool, recorder_trouble: Callable[[], str | None]) -> str:
-    """"ok", or "down: why"; a commit waiting past the gateway's bound reads "database stalled"
-    at once (asking a frozen server would only time out)."""
+    """"ok", or "down: why"; a stalled database (a commit waiting past the gateway's bound, or
+    no answer within the command timeout) reads "database stalled" at once: asking a frozen
+    server would only time out."""
     trouble = recorder_trouble()
     if trouble is not None and trouble.startswith("database stalled"):
         return f"down: {trouble}"

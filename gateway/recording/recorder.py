@@ -294,6 +294,9 @@ def _heard(fut: asyncio.Future[None]) -> None:
 
 
 def _reason(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        # Connected, but no answer: a frozen or overwhelmed server, not a stopped one.
+        return "database stalled: no answer within --db-command-timeout"
     return str(exc) or type(exc).__name__
 
 

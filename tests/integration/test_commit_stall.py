@@ -58,8 +58,11 @@ def test_a_frozen_database_answers_every_call_within_the_commit_bound(pg_cluster
         rollouts = [r["rollout_id"] for r in load.rollouts]
     finally:
         gw.stop()
+        print(gw.log_tail(20_000))
 
-    (tmp_path / "timeline.txt").write_text(describe(results, [("frozen", began, back)]))
+    timeline = describe(results, [("frozen", began, back)])
+    (tmp_path / "timeline.txt").write_text(timeline)
+    print(timeline)
     before = [e - s for s, e, o, _, _ in results if o == "ok" and e < began]
     usual = statistics.quantiles(before, n=100)[98] if len(before) > 1 else 1.0
     print(f"{len(results)} calls, p99 before the freeze {usual:.2f} s; health: {health}")
