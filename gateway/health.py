@@ -33,6 +33,9 @@ async def database_health(pool: asyncpg.Pool, recorder_trouble: Callable[[], str
     try:
         async with pool.acquire(timeout=_DATABASE_TIMEOUT_S) as conn:
             await conn.fetchval("SELECT 1", timeout=_DATABASE_TIMEOUT_S)
+    except TimeoutError:
+        # Connected, but no answer: a frozen or overwhelmed server, not a stopped one.
+        return f"down: database stalled: no answer within {_DATABASE_TIMEOUT_S} s"
     except (asyncpg.PostgresError, *UNAVAILABLE) as exc:
         return f"down: {str(exc) or type(exc).__name__}"
     trouble = recorder_trouble()

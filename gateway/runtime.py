@@ -76,7 +76,7 @@ class Runtime:
             probe_interval_s=config.probe_interval_s,
             replica_max_inflight=config.replica_max_inflight,
         )
-        self.keys = RolloutKeys(pool)
+        self.keys = RolloutKeys(pool, wait_s=config.commit_wait_s)
         self.database_check = DatabaseCheck(
             lambda: database_health(pool, self.recorder.trouble))
         self.memory = RolloutMemory(config.recent_calls_mib << 20)

@@ -41,7 +41,10 @@ def test_a_frozen_database_answers_every_call_within_the_commit_bound(pg_cluster
     try:
         health = []
         with Load(gw, vllm_server.model, CLIENTS) as load:
-            time.sleep(8)  # past the engine's warm-up: a slow first call is not the point
+            # Past the engine's warm-up, every client's rollout known: a slow first call is
+            # not the point.
+            load.wait_for_each_client_ok(timeout=180)
+            time.sleep(2)
             began = time.monotonic()
             pg_cluster.signal_all(signal.SIGSTOP)
             while time.monotonic() - began < FREEZE_S:

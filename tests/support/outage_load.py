@@ -49,6 +49,14 @@ class Load:
                 if outcome != "ok":
                     time.sleep(0.05)
 
+    def wait_for_each_client_ok(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(any(r[2] == "ok" for r in list(mine)) for mine in self._mine):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"not every client had a call succeed within {timeout} s")
+
     def wait_for_ok_after(self, moment: float, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
