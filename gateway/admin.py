@@ -17,9 +17,10 @@ from core.store import calls as calls_store
 from core.store import rollouts as rollouts_store
 from core.store import traces as traces_store
 from core.store import values
+from core.store.ledger import aborted as aborted_ledger
 from core.store.ledger import rollout_reason
 from gateway.admin_http import admin_app, decode_body, json_response
-from gateway.app_keys import CONFIG, MEMORY, MERGER, POLICY, POOL, ROLLOUT_KEYS
+from gateway.app_keys import ADMISSION, CONFIG, MEMORY, MERGER, POLICY, POOL, ROLLOUT_KEYS
 from gateway.auth import hash_key, new_rollout_key
 from gateway.call_request import sampling_policy
 from gateway.continuation.splice import counts as continuation_counts
@@ -31,6 +32,8 @@ routes = web.RouteTableDef()
 
 # Ranges Postgres holds (a deadline within a century; `policy.version` is an integer column).
 _Timeout = Annotated[float, msgspec.Meta(gt=0, le=3.2e9)]
+# How long finishing a rollout as `aborted` waits for its calls in flight to be recorded.
+_ABORT_CALLS_WAIT_S = 30.0
 _Version = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
@@ -134,8 +137,10 @@ async def finish_rollout(request: web.Request) -> web.Response:
     app = admin_app(request)
     rollout_id = _rollout_id(request)
     spec = decode_body(await request.read(), Finish)
-    if spec.status not in ("finished", "failed", "timeout"):
-        raise GatewayError(400, "status must be finished, failed or timeout", param="status")
+    if spec.status not in ("finished", "failed", "timeout", "aborted"):
+        raise GatewayError(
+            400, "status must be finished, failed, timeout or aborted", param="status"
+        )
     if spec.reward is not None and not math.isfinite(spec.reward):
         raise GatewayError(400, "reward must be a finite number or null", param="reward")
     metrics = spec.metrics
@@ -146,6 +151,11 @@ async def finish_rollout(request: web.Request) -> web.Response:
         if escaped:
             metrics["rolltap_escaped"] = escaped
         _storable(metrics=metrics)
+    why = None
+    if spec.status == "aborted":
+        # Its calls in flight end first: a call recorded after the rollout ended is refused.
+        why = str((metrics or {}).get("aborted") or "aborted by its runner")
+        await app[ADMISSION].abort_rollout(rollout_id, why, _ABORT_CALLS_WAIT_S)
     async with app[POOL].acquire() as conn:
         ended = await rollouts_store.finish(conn, rollout_id, spec.status, spec.reward, metrics)
         # A retried finish (the first one's merge failed or its gateway died) merges too.
@@ -154,6 +164,8 @@ async def finish_rollout(request: web.Request) -> web.Response:
     app[MEMORY].forget(rollout_id)
     if row is not None and row["status"] != "running" and (ended or row["merged_at"] is None):
         await merge_rollout(app[MERGER], rollout_id, app[CONFIG].merge_options)
+    if why is not None:
+        await _settle_aborted(app[POOL], rollout_id, why)
     summary = await _summary(app[POOL], rollout_id)
     if not ended and (summary["status"], summary["reward"]) != (spec.status, spec.reward):
         raise GatewayError(
@@ -163,6 +175,16 @@ async def finish_rollout(request: web.Request) -> web.Response:
             code="rollout_ended",
         )
     return json_response(summary)
+
+
+async def _settle_aborted(pool: asyncpg.Pool, rollout_id: uuid.UUID, why: str) -> None:
+    """An aborted rollout's ledger (nothing trains, the cause said) once it is merged; no
+    bridge takes it from then on."""
+    async with pool.acquire() as conn:
+        row = await rollouts_store.get(conn, rollout_id)
+        if row is not None and row["status"] == "aborted":
+            ledger = msgspec.to_builtins(aborted_ledger(row["merge_stats"], why))
+            await rollouts_store.settle_aborted(conn, rollout_id, ledger)
 
 
 @routes.get("/admin/rollouts/{rollout_id}")

@@ -129,6 +129,18 @@ class Admission:
         finally:
             self.in_flight -= 1
 
+    async def abort_rollout(self, rollout_id: uuid.UUID, reason: str, timeout_s: float) -> int:
+        """Ends `rollout_id`'s calls in flight (each recorded `aborted`, its engine request
+        cancelled) and waits up to `timeout_s` for them to be recorded, so the rollout can
+        end after them; returns how many were ended."""
+        mine = [c for c in self.calls if c.rollout_id == rollout_id]
+        for call in mine:
+            call.abort("aborted", f"its rollout was aborted: {reason}")
+        deadline = time.monotonic() + timeout_s
+        while any(c in self.calls for c in mine) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return len(mine)
+
     async def drain(self, timeout_s: float) -> None:
         """Lets in-flight calls finish for `timeout_s`, then ends the rest: each is recorded
         `aborted` and its client gets an error in its protocol."""

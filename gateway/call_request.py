@@ -1,5 +1,7 @@
-"""The first stage of a model call: the harness's body parsed, translated to the engine's chat
-form and pinned to the training policy's sampling (`ParsedCall`, with the body to send)."""
+"""The first stage of a model call: the harness's body parsed and translated to the engine's chat
+form, its fields sorted: those passed on to the engine, the sampling ones the training policy's
+replace (kept as requested), those that would switch capture off, and those stripped
+(`ParsedCall`, with the fields `gateway.engine_body` builds the engine's body from)."""
 
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ SAMPLING_KEYS = (
 
 
 # Fields the stage takes out of the body itself (below), so the allow-list need not name them.
-_HANDLED = frozenset((*SAMPLING_KEYS, *CAPTURE_OFF))
+_HANDLED_IN_ORDER = (*SAMPLING_KEYS, *CAPTURE_OFF)
+_HANDLED = frozenset(_HANDLED_IN_ORDER)
 
 
 def sampling_policy(temperature: float) -> dict[str, Any]:
@@ -52,23 +55,6 @@ def sampling_policy(temperature: float) -> dict[str, Any]:
     }
 
 
-def pin_sampling(body: dict, temperature: float, upstream_path: str) -> tuple[dict, dict]:
-    """Moves the harness's sampling fields out of `body` and sets the policy's; returns
-    (requested, applied)."""
-    requested = {k: body.pop(k) for k in SAMPLING_KEYS if k in body}
-    applied = sampling_policy(temperature)
-    body.update(applied)
-    body["return_token_ids"] = True
-    if upstream_path.endswith("/chat/completions"):
-        body["logprobs"] = True
-        body["top_logprobs"] = 0
-    else:  # legacy completions: an integer count of alternatives, 0 = only the sampled token
-        body["logprobs"] = 0
-    if body.get("stream"):
-        body["stream_options"] = {"include_usage": True}
-    return requested, applied
-
-
 def retry_count(headers: Mapping[str, str]) -> int:
     """The OpenAI and Anthropic SDKs (both Stainless-generated) number their retries."""
     try:
@@ -78,14 +64,16 @@ def retry_count(headers: Mapping[str, str]) -> int:
 
 
 class Translated(NamedTuple):
-    """A parsed call, the body the engine is to be sent, and what the protocol's response side
-    needs of the request (`ctx`, and `stored_state` for a stateful protocol)."""
+    """A parsed call, the harness's fields the engine is to get and the sampling they are to be
+    sampled under, and what the protocol's response side needs of the request (`ctx`, and
+    `stored_state` for a stateful protocol). `fields` is read-only from here on."""
 
     call: ParsedCall
-    body: dict[str, Any]
+    fields: dict[str, Any]
+    sampling: dict[str, Any]
     ctx: Any
     stored_state: Callable[[dict[str, Any] | bytes], dict[str, Any]] | None
-    client_ids: bool  # the harness asked for the engine's ids itself
+    wants_ids: bool  # the harness asked for the engine's ids or logprobs itself
 
 
 def decode(
@@ -119,12 +107,11 @@ async def translate(
     if "messages" in body and not proto.normalises_messages:
         body["messages"] = normalize_messages(body["messages"], raw)
     offered_tools = bool(body.get("tools"))
-    client_ids = bool(body.get("return_token_ids"))
+    client_ids = bool(body.pop("return_token_ids", None))  # the engine is asked for them anyway
     stripped = strip_unknown(body, _HANDLED)
-    requested, applied = pin_sampling(body, temperature, proto.upstream_path)
-    for key in CAPTURE_OFF:
-        if key in body:
-            requested[key] = body.pop(key)
+    requested = {k: body.pop(k) for k in _HANDLED_IN_ORDER if k in body}
+    sampling = sampling_policy(temperature)
+    applied = dict(sampling)
     bad = values.problem(requested)
     if bad:
         raise GatewayError(400, f"invalid request: {bad}", param=bad.partition(":")[0])
@@ -152,4 +139,5 @@ async def translate(
         layout=layout,
     )
     state = (lambda resp_body: proto.stored_state(req, ctx, resp_body)) if proto.stateful else None
-    return Translated(call, body, ctx, state, client_ids)
+    wants_ids = client_ids or bool(requested.get("logprobs") or requested.get("top_logprobs"))
+    return Translated(call, body, sampling, ctx, state, wants_ids)

@@ -69,7 +69,7 @@ class Capture:
 
     def set_prompt(self, ids) -> None:
         """The engine's prompt ids (an int32 array, or the list decoded from its JSON); the
-        first ones given stay: the engine exchange hands them over before the response is fed, as an
+        first ones given stay: the engine reading hands them over before the response is fed, as an
         array (`gateway.engine_ids`)."""
         if self.prompt_ids is None and isinstance(ids, (list, np.ndarray)):
             self.prompt_ids = np.asarray(ids, dtype=np.int32)

@@ -209,7 +209,7 @@ def register(subparsers) -> None:
     ls = sub.add_parser("list", help="rollouts, newest first")
     for name in ("task", "group", "harness"):
         ls.add_argument(f"--{name}", default=None, help=f"only this {name}")
-    ls.add_argument("--status", choices=("running", "finished", "failed", "timeout"))
+    ls.add_argument("--status", choices=("running", "finished", "failed", "timeout", "aborted"))
     ls.add_argument("--min-reward", type=float, default=None, metavar="R")
     ls.add_argument("--max-reward", type=float, default=None, metavar="R")
     ls.add_argument("--limit", type=int, default=50, help="rows per page (1-200; default 50)")

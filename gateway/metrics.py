@@ -76,7 +76,7 @@ class _StageCpu(Collector):
             "the gateway's own CPU in each stage of its model calls (gateway.stage_cpu)",
             labels=["stage"],
         )
-        for stage, ns in self._cpu.ns.items():
+        for stage, ns in self._cpu.account().items():
             seconds.add_metric([stage], ns / 1e9)
         calls = CounterMetricFamily("rolltap_stage_cpu_calls", "model calls the stages measured")
         calls.add_metric([], self._cpu.calls)

@@ -1,7 +1,8 @@
 """What the gateway remembers of each running rollout between its calls, in memory: its recent
 calls (ids, bodies, continuation keys, request layout) and the reply keys of its calls. Recording
-alone adds to it, once a call's row is committed; the continuation planner and request parsing
-read it. A miss costs a database read (or a whole body stored), never correctness."""
+alone adds a call to it, once the call's row is committed; the continuation planner reads it and
+fills the reply index with what it read from the database on a miss; request parsing reads it.
+A miss costs a database read (or a whole body stored), never correctness."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from gateway.continuation.local_template import LocalTemplate, Unsupported
 from gateway.continuation.planner import Continuer
 from gateway.continuation.rendering import RenderError
 from gateway.continuation.window import WindowedRenderer
+from gateway.engine_exchange import ReplicaExchange
 from gateway.finalize import MergeWorker, merge_rollout
 from gateway.health import DatabaseCheck, database_health
 from gateway.metrics import Metrics
@@ -93,9 +94,10 @@ class Runtime:
         recording = Recording(
             pool, self.recorder, self.memory, config.record_bodies, self.metrics.call_recorded
         )
+        engine = ReplicaExchange(config, pool, self.upstreams, self.policy)
         self.pipeline = Pipeline(
-            config, pool, self.upstreams, planner, recording, self.memory, self.admission,
-            self.policy, self.models, self.metrics,
+            config, pool, engine, planner, recording, self.memory, self.admission, self.models,
+            self.metrics,
         )  # fmt: skip
         self.metrics.watch(
             lambda: self.upstreams.replicas.values(),

@@ -41,7 +41,7 @@ async def _serve(cfg) -> None:
     from core.store.migrations import SchemaTooNew
     from gateway import access_log
     from gateway.app import build_app
-    from gateway.app_keys import ADMISSION
+    from gateway.app_keys import ADMISSION, PIPELINE
     from gateway.runtime import Runtime
 
     dsn = cfg.database_url
@@ -66,6 +66,8 @@ async def _serve(cfg) -> None:
             "--database-url (or drop it to use the embedded Postgres)."
         ) from exc
     app = build_app(Runtime(cfg, pool, dsn))
+    if cfg.cpu_account:
+        app[PIPELINE].cpu.meter_tasks(asyncio.get_running_loop())
     # keepalive_timeout bounds a connection's wait for a complete request head, from its first
     # byte and between keep-alive requests: slow-header and idle connections are closed. After
     # an answer that left the body unread (a 408 for a trickling body), the rest is drained for

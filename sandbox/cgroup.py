@@ -165,7 +165,9 @@ class Cgroup:
 
     def _read_int(self, controller: str, *names: str) -> int | None:
         path = self.dirs.get(controller)
-        for name in names if path else ():
+        if path is None:
+            return None
+        for name in names:
             with contextlib.suppress(OSError, ValueError):
                 return int((path / name).read_text())
         return None

@@ -10,6 +10,13 @@ import argparse
 import os
 import sys
 
+from sandbox.throughput_cli import (
+    Throughput,
+    add_throughput_arguments,
+    phase_pools,
+    throughput_problem,
+)
+
 DESCRIPTION = """Run rollouts: for every task in TASKS.jsonl, GROUP-SIZE rollouts per repeat, each
 in a fresh sandbox running the chosen harness against the gateway.
 
@@ -174,8 +181,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="Ray cluster to join (e.g. auto); default: start a local Ray")
     sb.add_argument("--ray-cpus-per-sandbox", type=float, default=1.0, metavar="N",
                     help="CPUs Ray reserves per sandbox (default 1)")
-    from sandbox.harbor.cli import add_arguments
+    from sandbox.backends.ray import ray_resource
 
+    sb.add_argument("--ray-resource", action="append", default=[], metavar="NAME=N",
+                    type=ray_resource,
+                    help="a custom Ray resource each sandbox reserves, e.g. sandbox=1 with "
+                         "nodes started as `ray start --resources '{\"sandbox\": 8}'` "
+                         "(repeatable)")
+    from sandbox.harbor.cli import add_arguments
+    add_throughput_arguments(p)
     add_arguments(p)
     p.set_defaults(func=main)
 
@@ -224,7 +238,7 @@ def _limits(base, args: argparse.Namespace):
     return msgspec.structs.replace(base, **changes)
 
 
-def build_backend(args: argparse.Namespace):
+def build_backend(args: argparse.Namespace, pools=None):
     local_options = {
         "root": args.sandbox_root,
         "use_cgroup": not args.no_cgroup,
@@ -237,10 +251,10 @@ def build_backend(args: argparse.Namespace):
         from sandbox.backends.ray import RayBackend
 
         return RayBackend(address=args.ray_address, num_cpus=args.ray_cpus_per_sandbox,
-                          **local_options)
+                          resources=dict(args.ray_resource), **local_options)
     from sandbox.backends.local import LocalBackend
 
-    return LocalBackend(**local_options)
+    return LocalBackend(pools=pools, **local_options)
 
 
 def _findable(harness) -> bool:
@@ -283,16 +297,17 @@ def _summary(args: argparse.Namespace, report, backend) -> list:
     return records
 
 
-async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend) -> int:
+async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend,
+               pools) -> int:
     import asyncio
     import signal
 
     from sandbox.runner import run_rollouts
     from sandbox.summary import error_line, progress_line
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
+    assert main_task is not None  # a coroutine runs in a task
 
     def on_signal() -> None:
         if stop.is_set():
@@ -304,26 +319,30 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal)
 
+    extras = Throughput(args, tasks, pools)
+
     def finished(record, progress) -> None:
+        extras.ended[record.status] += 1
         print(progress_line(record, progress.done, progress.total, progress.running), flush=True)
 
     def failed(error, progress) -> None:
         print(error_line(error.task_id, error.repeat, error.member, error.message,
                          progress.done, progress.total), flush=True)
 
+    await extras.start()
     try:
         report = await run_rollouts(
             tasks, harness, gateway=args.gateway, admin_key=admin_key,
             group_size=args.group_size, backend=backend, concurrency=args.concurrency,
             repeat=args.repeat, state_path=args.state, crash_reward=args.crash_reward,
             stop=stop, on_finished=finished, on_error=failed, max_backlog=args.max_backlog,
-            run_id=args.run_id,
+            run_id=args.run_id, **extras.run_options(),
         )
     finally:
-        aclose = getattr(backend, "aclose", None)  # a backend with a worker of its own
-        if aclose is not None:
-            await aclose()
+        await extras.stop()
+        await backend.aclose()
     records = _summary(args, report, backend)
+    extras.print_summary(report)
     if report.interrupted:
         left = report.total - len(records)
         resume = f"; rerun with --state {args.state} to do them" if args.state else ""
@@ -332,54 +351,14 @@ async def _run(args: argparse.Namespace, tasks, harness, admin_key: str, backend
     return 1 if report.errors else 0
 
 
-async def _probe(args: argparse.Namespace, admin_key: str, backend) -> int:
-    import json
-
-    from sandbox.backends.base import SandboxRequest
-    from sandbox.gateway_client import AdminClient, GatewayError
-    from sandbox.presets import Harness
-    from sandbox.tasks import Task, Verifier
-
-    paths = [os.path.abspath(args.tasks)] if args.tasks else []
-    spec = {"ports": sorted({5432, *args.probe_port}), "paths": paths}
-    task = Task(id="probe", prompt=json.dumps(spec), files={},
-                verifier=Verifier("true", "binary", {}), source_paths=tuple(paths))
-    harness = Harness(preset="python", model=args.model, agent="sandbox.agents.probe:run")
-    try:
-        async with AdminClient(args.gateway, admin_key) as admin:
-            access = await admin.create_rollout(task_id="probe", group_id="probe",
-                                                metadata={"probe": True}, timeout_s=600)
-            try:
-                result = await backend.run(SandboxRequest(task, harness, access))
-            finally:
-                await admin.finish_rollout(access.rollout_id, reward=None, status="failed",
-                                           metrics={"probe": True})
-    except GatewayError as exc:
-        print(f"rolltap rollouts --probe: {exc}", file=sys.stderr)
-        return 1
-    lines = (result.agent.stdout.strip().splitlines() if result.agent else []) or [""]
-    try:
-        checks = json.loads(lines[-1])
-    except ValueError:
-        print(f"the probe failed: {result.reward_detail}\n{result.agent and result.agent.stderr}",
-              file=sys.stderr)
-        return 1
-    print(f"sandbox isolation: {result.isolation}")
-    for name, (allowed, detail) in checks.items():
-        verdict = "" if name in ("uid", "processes visible") else (
-            "ALLOWED" if allowed else "refused")
-        print(f"  {verdict:<8} {name}: {str(detail)[:100]}")
-    for warning in result.warnings:
-        print(f"  warning: {warning}")
-    return 0
-
-
 def _flag_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the flags of a run (not a probe), before anything loads."""
     missing = [flag for flag, value in (("TASKS.jsonl", args.tasks), ("--harness", args.harness),
                                         ("--group-size", args.group_size)) if value is None]
     if missing:
         return f"give {', '.join(missing)} (or --probe)"
+    if problem := throughput_problem(args):
+        return problem
     if args.max_backlog is not None and args.max_backlog < args.group_size:
         return (f"--max-backlog ({args.max_backlog}) must be at least --group-size "
                 f"({args.group_size}): a bridge trains whole groups")
@@ -420,11 +399,13 @@ def _load(args: argparse.Namespace, harbor_agent: str | None):
 
 
 def _backend_for(args: argparse.Namespace, harbor_agent: str | None):
+    """The backend and its phase pools (on Ray, each node's sandboxes have their own there)."""
+    pools = None if args.backend == "ray" and harbor_agent is None else phase_pools(args)
     if harbor_agent is not None:
         from sandbox.harbor.cli import make_backend
 
-        return make_backend(args, harbor_agent)
-    return build_backend(args)
+        return make_backend(args, harbor_agent, pools), pools
+    return build_backend(args, pools), pools
 
 
 def main(args: argparse.Namespace) -> int:
@@ -443,7 +424,9 @@ def main(args: argparse.Namespace) -> int:
         except ConfinementError as exc:
             print(f"rolltap rollouts: {exc}", file=sys.stderr)
             return 2
-        return asyncio.run(_probe(args, admin_key, backend))
+        from sandbox.probe_cli import run_probe
+
+        return asyncio.run(run_probe(args, admin_key, backend))
     if problem := _flag_problem(args):
         print(f"rolltap rollouts: {problem}", file=sys.stderr)
         return 2
@@ -458,7 +441,7 @@ def main(args: argparse.Namespace) -> int:
     if harbor_agent is None and args.backend == "local" and not _findable(harness):
         return 2
     try:
-        backend = _backend_for(args, harbor_agent)
+        backend, pools = _backend_for(args, harbor_agent)
     except (ConfinementError, ValueError) as exc:
         print(f"rolltap rollouts: {exc}", file=sys.stderr)
         return 2
@@ -468,7 +451,7 @@ def main(args: argparse.Namespace) -> int:
         # Once, before the first rollout: a wrong address or key would fail every one of them.
         asyncio.run(check_gateway(args.gateway, admin_key, args.model,
                                   provider_prefix=harbor_agent is not None))
-        return asyncio.run(_run(args, tasks, harness, admin_key, backend))
+        return asyncio.run(_run(args, tasks, harness, admin_key, backend, pools))
     except PreflightError as exc:
         print(f"rolltap rollouts: {exc}", file=sys.stderr)
         return 2

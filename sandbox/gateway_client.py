@@ -65,6 +65,10 @@ class Backlog(msgspec.Struct, frozen=True):
     waiting: int  # ended, not yet taken by a trainer bridge
 
 
+class Policy(msgspec.Struct, frozen=True):
+    version: int
+
+
 Method = Literal["GET", "POST"]
 T = TypeVar("T")
 
@@ -142,6 +146,16 @@ class AdminClient:
         body = {"reward": reward, "status": status, "metrics": metrics}
         path = f"/admin/rollouts/{rollout_id}/finish"
         return await self._call("POST", path, body, FinishReply)
+
+    async def abort_rollout(self, rollout_id: str, why: str) -> FinishReply:
+        """Finishes a rollout as `aborted` (never trained, `why` in its ledger); the gateway
+        first ends its calls in flight."""
+        body = {"reward": None, "status": "aborted", "metrics": {"aborted": why}}
+        return await self._call("POST", f"/admin/rollouts/{rollout_id}/finish", body, FinishReply)
+
+    async def policy_version(self) -> int:
+        """The policy version the gateway stamps on new tokens (the trainer's pushes)."""
+        return (await self._call("GET", "/admin/policy", None, Policy)).version
 
     async def backlog(self, run_id: str) -> Backlog:
         path = f"/admin/backlog?{urlencode({'run_id': run_id})}"

@@ -91,7 +91,7 @@ def wrap(argv: Sequence[str], which: Callable[[str], str | None] = shutil.which,
         head = None if program is None else read(program)
     except OSError:
         head = None
-    if head is None:
+    if program is None or head is None:
         raise HostProgramError(f"{argv[0]} is not installed on this machine, so it cannot be "
                                f"brought into the task's image; install it, or install it in "
                                f"the image (a Dockerfile) and name it there")

@@ -74,8 +74,8 @@ def _prepare(args: argparse.Namespace) -> int:
         ref: (ref, None) for ref in args.refs}
     for path in args.tasks:
         for task in load_tasks(path):
-            if task.image is not None or task.build is not None:
-                key = task.build.tag if task.build else task.image
+            key = task.build.tag if task.build else task.image
+            if key is not None:
                 wanted[key] = (task.image, task.build)
     if not wanted:
         print("no images named", file=sys.stderr)

@@ -34,6 +34,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import msgspec
@@ -395,7 +396,7 @@ class Cache:
             if os.path.isdir(work):
                 _remove(work)
 
-    def prune(self, max_bytes: int, keep: set[str] = frozenset()) -> list[Entry]:
+    def prune(self, max_bytes: int, keep: AbstractSet[str] = frozenset()) -> list[Entry]:
         """Remove least recently used entries until the rest fit in `max_bytes`; entries in
         use (or in `keep`) stay. Returns what was removed."""
         entries = self.entries()

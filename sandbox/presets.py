@@ -127,6 +127,7 @@ def _command(h: Harness, ctx: LaunchContext) -> Launch:
     protocol = harness_protocol(h)
     values = {"prompt": ctx.prompt, "base_url": base_url(ctx, protocol), "api_key": ctx.api_key,
               "model": h.model, "workdir": ctx.workdir}
+    assert h.command is not None  # the command preset is refused without one (check_harness)
     argv = fill_template(h.command, values) + list(h.extra_args)
     return Launch(argv, protocol_env(ctx, protocol, h.model), {}, protocol)
 

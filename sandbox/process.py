@@ -125,6 +125,7 @@ async def run_contained(
             preexec_fn=preexec,
             pass_fds=tuple(pass_fds),
         )
+        assert proc.stdout is not None and proc.stderr is not None  # both piped
         readers = [
             asyncio.ensure_future(drain(proc.stdout, out)),
             asyncio.ensure_future(drain(proc.stderr, err)),

@@ -24,6 +24,7 @@ status) make a forgery need that much, not impossible.
 from __future__ import annotations
 
 import hmac
+import importlib.abc
 import json
 import os
 import random
@@ -96,7 +97,7 @@ def _read_all(fd: int) -> bytes:
     return bytes(data)
 
 
-class _Stubs:
+class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """A meta path finder put first while collecting on the task's own files: a module that
     does not exist, or lies in the workdir but is none of the task's test files (`keep`, the
     solution the agent is to write), is a stub whose attributes are callables, so the tests

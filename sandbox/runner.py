@@ -28,33 +28,24 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
 
 from sandbox.backends.base import Backend, CrashReward, SandboxRequest, SandboxResult
+from sandbox.continuous import TaskSampler, watch
 from sandbox.gateway_client import AdminClient, GatewayError, RolloutInfo
+from sandbox.oversample import GroupQuota, Oversampling
 from sandbox.presets import Harness, side_calls_for
 from sandbox.state import FinishedRollout, Key, RunHeader, StateFile
-from sandbox.summary import trained_tokens
 from sandbox.tasks import Task
+from sandbox.work import WorkItem, failed_record, plan, record_for, sampled_plan
 
 # Time the gateway gives a rollout beyond the task's own timeouts before it calls it timed out.
 GATEWAY_MARGIN_S = 120.0
 BACKLOG_POLL_S = 1.0  # how often a full backlog is looked at again
 INTERRUPT_FINISH_TIMEOUT_S = 10.0
-
-
-class WorkItem(msgspec.Struct, frozen=True):
-    task: Task
-    repeat: int
-    member: int
-    group_id: str
-
-    @property
-    def key(self) -> Key:
-        return (self.task.id, self.repeat, self.member)
 
 
 class ItemError(msgspec.Struct, frozen=True):
@@ -74,6 +65,8 @@ class RunReport(msgspec.Struct):
     interrupted: bool = False
     max_in_flight: int = 0
     waited_for_trainer_s: float = 0.0  # with max_backlog
+    aborted: int = 0  # stragglers stopped once their group had enough (oversampling)
+    unneeded: int = 0  # extra members never started: their group was full first
 
 
 class Progress(msgspec.Struct, frozen=True):
@@ -82,69 +75,9 @@ class Progress(msgspec.Struct, frozen=True):
     running: int  # sandboxes running now
 
 
-def group_id(run_id: str, task_id: str, repeat: int) -> str:
-    return f"{run_id}-{task_id}-r{repeat}"
-
-
-def plan(
-    tasks: Sequence[Task], group_size: int, repeat: int, run_id: str, done: set[Key]
-) -> list[WorkItem]:
-    """The rollouts still to do, group by group, so that groups complete together."""
-    return [
-        WorkItem(task, r, m, group_id(run_id, task.id, r))
-        for r in range(repeat)
-        for task in tasks
-        for m in range(group_size)
-        if (task.id, r, m) not in done
-    ]
-
-
 def gateway_timeout(task: Task) -> float:
     t = task.timeouts
     return t.setup_s + t.agent_s + t.verifier_s + GATEWAY_MARGIN_S
-
-
-def record_for(
-    item: WorkItem,
-    rollout_id: str,
-    result: SandboxResult,
-    info: RolloutInfo | None,
-    duration_s: float,
-) -> FinishedRollout:
-    calls = prompt = completion = trained = None
-    if info is not None:
-        calls = len(info.calls)
-        prompt = sum(c.prompt_tokens or 0 for c in info.calls)
-        completion = sum(c.completion_tokens or 0 for c in info.calls)
-        trained = trained_tokens(info.merge_stats, completion)
-    return FinishedRollout(
-        task_id=item.task.id,
-        repeat=item.repeat,
-        member=item.member,
-        rollout_id=rollout_id,
-        group_id=item.group_id,
-        status=result.gateway_status,
-        sandbox_status=result.status,
-        reward=result.reward,
-        reward_detail=result.reward_detail,
-        duration_s=duration_s,
-        calls=calls,
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        trained_tokens=trained,
-        host=result.host,
-        isolation=result.isolation,
-    )
-
-
-def failed_record(item: WorkItem, rollout_id: str, detail: str,
-                  duration_s: float) -> FinishedRollout:
-    """The state line of a rollout whose sandbox failed (the runner's or the machine's fault:
-    unscorable)."""
-    return FinishedRollout(task_id=item.task.id, repeat=item.repeat, member=item.member,
-                           rollout_id=rollout_id, group_id=item.group_id, status="failed",
-                           sandbox_status="error", reward=None, reward_detail=detail,
-                           duration_s=duration_s)
 
 
 class _Run:
@@ -160,13 +93,17 @@ class _Run:
         state: StateFile | None,
         crash_reward: CrashReward,
         stop: asyncio.Event,
-        total: int,
+        total: Callable[[], int],
         max_backlog: int | None,
         on_finished: Callable[[FinishedRollout, Progress], None] | None,
         on_error: Callable[[ItemError, Progress], None] | None,
+        oversampling: Oversampling | None = None,
+        kept: Sequence[str] = (),
+        drawing_stopped: Callable[[], bool] = lambda: False,
     ) -> None:
         self.admin, self.harness, self.backend = admin, harness, backend
-        self.run_id, self.state, self.crash_reward, self.stop = run_id, state, crash_reward, stop
+        self.run_id, self.state, self.stop = run_id, state, stop
+        self.crash_reward: CrashReward = crash_reward
         self.private_paths = (os.path.abspath(state.path),) if state else ()
         self.on_finished, self.on_error = on_finished, on_error
         self.total = total
@@ -180,9 +117,18 @@ class _Run:
         self.max_backlog = max_backlog
         self.admitting = asyncio.Lock()  # one worker at a time counts and takes a place
         self.waited_s = 0.0  # time spent waiting for the trainer (max_backlog)
+        self.oversampling = oversampling
+        self.quota = GroupQuota(oversampling.keep, kept) if oversampling else None
+        self.running: dict[Key, asyncio.Task] = {}  # rollouts with a task of their own
+        self.stragglers: set[Key] = set()  # being stopped: their group is full
+        self.sandboxed: set[Key] = set()  # rollouts whose sandbox is running
+        self.aborted = self.unneeded = 0
+        # A continuous run stopped drawing: a rollout waiting for the trainer is not started
+        # (the trainer that would make room may have finished).
+        self.drawing_stopped = drawing_stopped
 
     def progress(self) -> Progress:
-        return Progress(self.done, self.total, self.sandboxes)
+        return Progress(self.done, self.total(), self.sandboxes)
 
     def add(self, record: FinishedRollout) -> None:
         if self.state:
@@ -199,10 +145,9 @@ class _Run:
         if self.on_error:
             self.on_error(error, self.progress())
 
-    async def execute(self, items: list[WorkItem], concurrency: int) -> None:
+    async def execute(self, items: Iterable[WorkItem], concurrency: int) -> None:
         queue = iter(items)
-        workers = [asyncio.ensure_future(self.worker(queue))
-                   for _ in range(min(concurrency, len(items)))]
+        workers = [asyncio.ensure_future(self.worker(queue)) for _ in range(concurrency)]
         stopper = asyncio.ensure_future(self.stop.wait())
         try:
             pending = set(workers)
@@ -228,6 +173,8 @@ class _Run:
         async with self.admitting:
             started = time.monotonic()
             while self.max_backlog is not None and not self.stop.is_set():
+                if self.drawing_stopped():
+                    return False
                 backlog = await self.admin.backlog(self.run_id)
                 if self.in_flight + backlog.waiting < self.max_backlog:
                     break
@@ -242,12 +189,50 @@ class _Run:
 
     async def worker(self, queue) -> None:
         for item in queue:
+            if self.quota is not None and self.quota.full(item.group_id):
+                self.unneeded += 1  # an extra member its group no longer needs
+                self.done += 1
+                continue
             if not await self.admit():
                 return
+            # A task of its own, so a straggler can be stopped without stopping this worker.
+            task = asyncio.ensure_future(self.one(item))
+            self.running[item.key] = task
             try:
-                await self.one(item)
+                await task
             finally:
+                self.running.pop(item.key, None)
                 self.in_flight -= 1
+
+    def kept(self, item: WorkItem) -> bool:
+        """A member whose sandbox ended on its own: kept, or a straggler of a full group. The
+        member that fills its group stops the others still running."""
+        self.running.pop(item.key, None)  # ended: no longer one to stop
+        if self.quota is None:
+            return True
+        if not self.quota.take(item.group_id):
+            return False
+        if self.quota.full(item.group_id):
+            for key, task in list(self.running.items()):
+                other = (key[0], key[1])
+                if other == (item.task.id, item.repeat) and key != item.key:
+                    self.stragglers.add(key)
+                    if key in self.sandboxed:  # else it stops once its rollout is created
+                        task.cancel()  # kills its sandbox (the backend's cancel path)
+        return True
+
+    async def abort(self, item: WorkItem, rid: str, started: float) -> None:
+        """Finishes a straggler `aborted`: the gateway ends its calls in flight; never trained."""
+        assert self.oversampling is not None
+        why = (f"a straggler: {self.oversampling.keep} members of its group ended first "
+               f"(--oversample {self.oversampling.extra}; they train, it does not)")
+        try:
+            await self.admin.abort_rollout(rid, why)
+        except GatewayError as exc:
+            self.fail(item, f"abort: {exc}", rid)
+            return
+        self.aborted += 1
+        self.add(failed_record(item, rid, why, time.monotonic() - started, status="aborted"))
 
     async def one(self, item: WorkItem) -> None:
         started = time.monotonic()
@@ -255,7 +240,7 @@ class _Run:
             access = await self.admin.create_rollout(
                 task_id=item.task.id,
                 group_id=item.group_id,
-                metadata=_metadata(item, self.harness, self.run_id),
+                metadata=_metadata(item, self.harness, self.run_id, self.oversampling),
                 timeout_s=gateway_timeout(item.task),
                 side_calls=side_calls_for(self.harness),
             )
@@ -263,14 +248,24 @@ class _Run:
             self.fail(item, f"create: {exc}")
             return
         rid = access.rollout_id
+        if item.key in self.stragglers:  # its group filled while it was being created
+            await self.abort(item, rid, started)
+            return
         request = SandboxRequest(item.task, self.harness, access, self.crash_reward,
                                  self.private_paths)
         self.sandboxes += 1
+        self.sandboxed.add(item.key)
         try:
             result = await self.backend.run(request)
         except asyncio.CancelledError:
-            await _finish_interrupted(self.admin, rid)
-            raise
+            if item.key not in self.stragglers or self.stop.is_set():
+                await _finish_interrupted(self.admin, rid)
+                raise
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()  # stopped on purpose: it ends as aborted, not interrupted
+            await self.abort(item, rid, started)
+            return
         except Exception as exc:  # a backend failure is this rollout's, not the run's
             await _finish_quietly(self.admin, rid, {"sandbox_error": repr(exc)})
             if self.state:  # ended: a resumed run must not put a second rollout in its group
@@ -280,6 +275,10 @@ class _Run:
             return
         finally:
             self.sandboxes -= 1
+            self.sandboxed.discard(item.key)
+        if not self.kept(item):  # ended on its own, but after its group was full
+            await self.abort(item, rid, started)
+            return
         # A sandbox that ran to the end is reported and recorded even if a stop arrives now:
         # redoing it on resume would put a second rollout into its group.
         completing = asyncio.ensure_future(self.complete(item, rid, result, started))
@@ -322,12 +321,20 @@ async def run_rollouts(
     on_error: Callable[[ItemError, Progress], None] | None = None,
     max_backlog: int | None = None,
     run_id: str | None = None,
+    oversample: int = 0,
+    sampler: TaskSampler | None = None,
+    until_steps: int | None = None,
+    deadline_s: float | None = None,
 ) -> RunReport:
     """Run every (task, repeat, member) rollout not already in the state file. `run_id` names
     a new run (a trainer selects its rollouts by it; default: a random one); a resumed state
-    file keeps the run id it was started with."""
-    if group_size < 1 or repeat < 1 or concurrency < 1:
-        raise ValueError("group_size, repeat and concurrency must be at least 1")
+    file keeps the run id it was started with. `oversample`: members started per group beyond
+    `group_size`; once `group_size` of them ended, the rest are aborted (sandbox/oversample.py).
+    `sampler`: a continuous run (sandbox/continuous.py): groups drawn from it instead of
+    `tasks` x `repeat`, until `until_steps` trainer steps or `deadline_s`."""
+    if group_size < 1 or repeat < 1 or concurrency < 1 or oversample < 0:
+        raise ValueError("group_size, repeat and concurrency must be at least 1, oversample "
+                         "at least 0")
     if max_backlog is not None and max_backlog < group_size:
         # A bridge trains whole groups: a smaller backlog could never complete one.
         raise ValueError(f"max_backlog ({max_backlog}) must be at least the group size "
@@ -340,27 +347,64 @@ async def run_rollouts(
         header = RunHeader(run_id=run_id or uuid.uuid4().hex[:12], created=time.time())
         if state:
             state.append(header)
-    items = plan(tasks, group_size, repeat, header.run_id, set(done))
+    oversampling = Oversampling(group_size, oversample) if oversample else None
+    members = group_size + oversample
+    items: Iterable[WorkItem]
+    if sampler is None:
+        listed = plan(tasks, members, repeat, header.run_id, set(done))
+        items, total = listed, len(listed)
+    else:
+        sampler.next_group = max((r.repeat + 1 for r in done.values()), default=0)
+        items = sampled_plan(sampler, members, header.run_id)
+        on_finished = _learning(sampler, on_finished)
     stop = stop or asyncio.Event()
     async with AdminClient(gateway, admin_key) as admin:
         run = _Run(admin, harness, backend, run_id=header.run_id, state=state,
-                   crash_reward=crash_reward, stop=stop, total=len(items),
-                   max_backlog=max_backlog, on_finished=on_finished, on_error=on_error)
-        await run.execute(items, concurrency)
+                   crash_reward=crash_reward, stop=stop,
+                   total=(lambda: total) if sampler is None else (lambda: sampler.groups * members),
+                   max_backlog=max_backlog, on_finished=on_finished, on_error=on_error,
+                   oversampling=oversampling,
+                   kept=[r.group_id for r in done.values() if r.status != "aborted"],
+                   drawing_stopped=lambda: sampler is not None and sampler.stopped is not None)
+        watcher = None
+        if sampler is not None:
+            watcher = asyncio.ensure_future(watch(sampler, admin.policy_version,
+                                                  until_steps=until_steps, deadline_s=deadline_s))
+        try:
+            await run.execute(items, concurrency)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
     return RunReport(
         run_id=header.run_id,
-        total=len(items) + len(done),
+        total=run.total() + len(done),
         skipped=len(done),
         finished=run.finished,
         errors=run.errors,
         interrupted=stop.is_set(),
         max_in_flight=run.max_in_flight,
         waited_for_trainer_s=run.waited_s,
+        aborted=run.aborted,
+        unneeded=run.unneeded,
     )
 
 
-def _metadata(item: WorkItem, harness: Harness, run_id: str) -> dict[str, Any]:
-    return {
+def _learning(sampler: TaskSampler, then: Callable[[FinishedRollout, Progress], None] | None
+              ) -> Callable[[FinishedRollout, Progress], None]:
+    """An on_finished that first tells `sampler` each kept member's reward."""
+    def finished(record: FinishedRollout, progress: Progress) -> None:
+        if record.status != "aborted":
+            sampler.ended(record.task_id, record.group_id, record.reward)
+        if then is not None:
+            then(record, progress)
+    return finished
+
+
+def _metadata(item: WorkItem, harness: Harness, run_id: str,
+              oversampling: Oversampling | None) -> dict[str, Any]:
+    group = {"group": oversampling.note()} if oversampling else {}
+    return group | {
         "run_id": run_id,
         "repeat": item.repeat,
         "member": item.member,

@@ -52,6 +52,8 @@ _GROUP_KEY = "coalesce(group_id, id::text)"
 _IN_GROUP = "(group_id = $1 OR (group_id IS NULL AND id::text = $1))"
 _DELIVERABLE = (
     "merged_at IS NOT NULL AND consumed_at IS NULL AND quarantined_at IS NULL AND metadata @> $2"
+    # An aborted rollout (a straggler the runner stopped) never trains; the gateway settles it.
+    " AND status <> 'aborted'"
 )
 # A trainable trace no delivery row covers yet.
 _UNDELIVERED = (
@@ -95,7 +97,7 @@ async def pending_groups(conn: asyncpg.Connection, match: dict) -> list[asyncpg.
                ))) AS released
         FROM rollouts
         WHERE merged_at IS NOT NULL AND consumed_at IS NULL AND quarantined_at IS NULL
-          AND metadata @> $1
+          AND status <> 'aborted' AND metadata @> $1
         GROUP BY 1
         ORDER BY min(merged_at)
         """,

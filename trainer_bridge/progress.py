@@ -49,6 +49,8 @@ class Progress(TrainerCallback):
             "queue": self.source.rollout_buffer.qsize(),
             "version": announced[-1] if announced else None,
             "elapsed_s": round(time.monotonic() - self._started, 3),
+            # Waiting for samples, over the wall time since the trainer first asked for one.
+            "idle_fraction": _rounded(self.source.rollout_buffer.idle_fraction()),
             "metrics": {k: _number(v) for k, v in logs.items() if isinstance(v, int | float)},
             # The ledgers of every rollout consumed so far: tokens trained, excluded by cause.
             "consumed": dict(self.source.consumed),
@@ -78,6 +80,7 @@ class Progress(TrainerCallback):
             "gateways": self.transfer.announcer.gateways,
             "source": dict(self.source.stats),
             "consumed": dict(self.source.consumed),
+            "trainer_idle_fraction": _rounded(self.source.rollout_buffer.idle_fraction()),
             "checkpoint": str(checkpoint) if checkpoint else None,
         }
 
@@ -102,6 +105,7 @@ class Progress(TrainerCallback):
             f"last {_ENDS} steps {_fmt(summary['reward_last_steps'])}",
             f"  policy versions {versions[0]}..{versions[-1]} announced to "
             f"{len(summary['gateways'])} gateway(s)" if versions else "  no version announced",
+            _idle_line(summary.get("trainer_idle_fraction")),
         ]
         if summary["checkpoint"]:
             lines.append(f"  trained model: {summary['checkpoint']}")
@@ -117,6 +121,17 @@ def _consumed_line(consumed: dict) -> str:
         f"{consumed.get('trained_tokens', 0)} tokens trained, excluded "
         + (", ".join(f"{cause} {n}" for n, cause in excluded) or "none")
     )
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def _idle_line(idle: float | None) -> str:
+    if idle is None:
+        return "  trainer idle: never asked for a sample"
+    return (f"  trainer idle {idle:.0%} of its wall time, waiting for samples (more rollouts "
+            "at once, --oversample and phase pools in rolltap rollouts lower it)")
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:

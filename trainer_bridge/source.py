@@ -268,9 +268,14 @@ class DeliveryQueue(queue.Queue):
         self._take = take
         # The trainer is blocked here for its next sample (not busy with a step).
         self.trainer_waiting = False
+        # The trainer's idle time: blocked here, from its first request for a sample on.
+        self.idle_s = 0.0
+        self.first_get: float | None = None
 
     def get(self, block: bool = True, timeout: float | None = None) -> RolloutSample:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        self.first_get = self.first_get or now
         self.trainer_waiting = True
         try:
             while True:
@@ -280,6 +285,15 @@ class DeliveryQueue(queue.Queue):
                     return sample
         finally:
             self.trainer_waiting = False
+            self.idle_s += time.monotonic() - now
+
+    def idle_fraction(self) -> float | None:
+        """The share of the trainer's wall time since its first request spent waiting for
+        samples (None before that request): near 1, training is starved by the rollouts."""
+        if self.first_get is None:
+            return None
+        wall = time.monotonic() - self.first_get
+        return min(1.0, self.idle_s / wall) if wall > 0 else None
 
 
 class _Backoff:

@@ -11,6 +11,10 @@ constrained, auxiliary) and the bridge's:
 - zero_advantage: tokens of a rollout whose advantage is 0 (every reward of its group equal, or
   its own reward unscorable): they reach the optimizer, but carry no gradient;
 - dropped: the rollout's group was dropped (partial past its deadline, or late after release).
+And the runner's:
+- rollout_aborted: the runner stopped the rollout (a straggler of an oversampled group, once
+  its group had enough members); the gateway writes its ledger when it is finished `aborted`,
+  and no bridge takes it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ if TYPE_CHECKING:
     import asyncpg
 
 BRIDGE_CAUSES = ("stale", "too_long", "zero_advantage", "dropped")
-CAUSES = (*EXCLUSION_CAUSES, *BRIDGE_CAUSES)
+RUNNER_CAUSES = ("rollout_aborted",)
+CAUSES = (*EXCLUSION_CAUSES, *BRIDGE_CAUSES, *RUNNER_CAUSES)
 FLAGS = {
     **EXCLUSION_FLAGS,
     "stale": "the bridge's --max-staleness (or the runner's --max-backlog, to train fresher)",
@@ -34,6 +39,8 @@ FLAGS = {
     "zero_advantage": "tasks whose rollouts score differently (a group whose rewards are all "
     "equal has nothing to learn from), or a larger --num-generations",
     "dropped": "the bridge's --partial-groups train, or a longer --group-deadline",
+    "rollout_aborted": "rolltap rollouts --oversample 0 (groups then wait for their slowest "
+    "member, and train every one)",
 }
 
 
@@ -55,9 +62,7 @@ def account(
 ) -> Ledger:
     """The ledger of a rollout being consumed. `deliveries`: (outcome, trained tokens, tokens
     masked or put aside) of each of its logged traces; `dropped`: its group was dropped."""
-    excluded: dict[str, int] = dict.fromkeys(CAUSES, 0)
-    for cause, tokens in (merge_stats.get("excluded_by_cause") or {}).items():
-        excluded[cause] = excluded.get(cause, 0) + int(tokens)
+    excluded = _merge_excluded(merge_stats)
     trained = 0
     if dropped:
         excluded["dropped"] = int(merge_stats.get("trained_tokens") or 0)
@@ -67,6 +72,23 @@ def account(
     if advantage == 0 and trained:
         excluded["zero_advantage"], trained = trained, 0
     return Ledger(trained, excluded, nothing_trained(trained, excluded))
+
+
+def aborted(merge_stats: Mapping | None, why: str) -> Ledger:
+    """The ledger of a rollout the runner aborted (`why`: one line): nothing trains; what its
+    merge would have trained is excluded as `rollout_aborted`."""
+    stats = merge_stats or {}
+    excluded = _merge_excluded(stats)
+    excluded["rollout_aborted"] += int(stats.get("trained_tokens") or 0)
+    return Ledger(0, excluded, f"aborted: {why}. What changes it: {FLAGS['rollout_aborted']}")
+
+
+def _merge_excluded(merge_stats: Mapping) -> dict[str, int]:
+    """Every cause at 0, plus the tokens the merge excluded by cause."""
+    excluded: dict[str, int] = dict.fromkeys(CAUSES, 0)
+    for cause, tokens in (merge_stats.get("excluded_by_cause") or {}).items():
+        excluded[cause] = excluded.get(cause, 0) + int(tokens)
+    return excluded
 
 
 def nothing_trained(trained: int, excluded: Mapping[str, int]) -> str | None:

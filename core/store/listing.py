@@ -15,7 +15,7 @@ import msgspec
 
 from core.store import rollouts
 
-STATUSES = ("running", "finished", "failed", "timeout")
+STATUSES = ("running", "finished", "failed", "timeout", "aborted")
 
 
 class Filter(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

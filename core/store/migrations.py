@@ -279,6 +279,16 @@ MIGRATIONS: list[tuple[int, str]] = [
         $$;
         """,
     ),
+    (
+        10,
+        """
+        -- A rollout the runner stopped before it ended on its own (a straggler of an
+        -- oversampled group, issue #42): never trained, its ledger says why.
+        ALTER TABLE rollouts DROP CONSTRAINT rollouts_status_check;
+        ALTER TABLE rollouts ADD CONSTRAINT rollouts_status_check
+            CHECK (status IN ('running', 'finished', 'failed', 'timeout', 'aborted'));
+        """,
+    ),
 ]
 
 _LOCK_ID = 0x726F6C6C746170  # "rolltap"

@@ -28,7 +28,7 @@ async def backlog(conn: Conn, run_id: str) -> tuple[int, int]:
     has taken them yet (released their group to its trainer, consumed or put them aside)."""
     row = await conn.fetchrow(
         "SELECT count(*) FILTER (WHERE status = 'running') AS running,"
-        " count(*) FILTER (WHERE status <> 'running' AND released_at IS NULL"
+        " count(*) FILTER (WHERE status NOT IN ('running', 'aborted') AND released_at IS NULL"
         "                  AND consumed_at IS NULL AND quarantined_at IS NULL) AS waiting"
         " FROM rollouts WHERE metadata @> jsonb_build_object('run_id', $1::text)",
         run_id,
@@ -103,6 +103,20 @@ async def finish(
         status,
         reward,
         metrics,
+    )
+    return bool(done)
+
+
+async def settle_aborted(conn: Conn, rollout_id: UUID, ledger: dict) -> bool:
+    """An aborted rollout's end: its ledger written and the rollout taken out of every bridge's
+    and backlog's view (released and consumed: nothing of it trains). False: it is not an
+    aborted rollout waiting for this."""
+    done = await conn.fetchval(
+        "UPDATE rollouts SET ledger = $2, released_at = coalesce(released_at, now()),"
+        " consumed_at = now() WHERE id = $1 AND status = 'aborted' AND consumed_at IS NULL"
+        " RETURNING true",
+        rollout_id,
+        ledger,
     )
     return bool(done)
 

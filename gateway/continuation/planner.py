@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
@@ -44,49 +45,38 @@ _PROBE_USER = {"role": "user", "content": "x"}
 _PROBE_EMPTY_REPLY = {"role": "assistant", "content": ""}
 
 
+@dataclass(frozen=True, slots=True)
 class Turn:
-    """One call's continuation: its request keys, what was decided, and the ids to send."""
+    """One call's continuation plan, frozen once made: its request keys, what was decided, and
+    the ids to send. What the engine's prompt shows of it comes as a new plan (`confirmed`)."""
 
-    __slots__ = (
-        "keys", "record", "parent_id", "parent_full", "prompt_ids", "prompt_pieces", "_extended"
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        keys: RequestKeys,
-        record: ContinuationRecord,
-        parent_id: UUID | None = None,
-        parent_full: np.ndarray | None = None,
-        prompt_ids: np.ndarray | None = None,
-        prompt_pieces: engine_ids.Pieces | None = None,
-    ) -> None:
-        self.keys = keys
-        self.record = record
-        self.parent_id = parent_id
-        self.parent_full = parent_full
-        self.prompt_ids = prompt_ids
-        # `prompt_ids` as JSON pieces (the parent's, then the new ids), if the parent's are at hand
-        self.prompt_pieces = prompt_pieces
-        self._extended = False
+    keys: RequestKeys
+    record: ContinuationRecord
+    parent_id: UUID | None = None
+    parent_full: np.ndarray | None = None
+    prompt_ids: np.ndarray | None = None
+    # `prompt_ids` as JSON pieces (the parent's, then the new ids), if the parent's are at hand
+    prompt_pieces: engine_ids.Pieces | None = None
 
     def full(self, prompt: np.ndarray, completion: np.ndarray) -> np.ndarray:
         """`prompt` + `completion`. The splice's prompt is followed by them in the room its array
-        left (once: the array then holds them): a 32k-token prompt is not copied again."""
+        left, once: the filled array is then made read-only, and holds them for good (a later
+        call copies). A 32k-token prompt is not copied again."""
         room = prompt.base
         n, m = prompt.size, completion.size
         if (
             prompt is self.prompt_ids
-            and not self._extended
             and isinstance(room, np.ndarray)
+            and room.flags.writeable
             and room.size >= n + m
         ):
-            self._extended = True
             room[n : n + m] = completion
+            room.flags.writeable = False
             return room[: n + m]
         return np.concatenate((prompt, completion))
 
-    def confirm(self, prompt: np.ndarray) -> None:
-        """Checks the engine's prompt against the splice: an engine that rendered the messages
+    def confirmed(self, prompt: np.ndarray) -> Turn:
+        """This plan checked against the engine's prompt: an engine that rendered the messages
         instead (it does so for media content) must not leave an `exact` record behind."""
         if (
             self.prompt_ids is not None
@@ -94,10 +84,11 @@ class Turn:
             and prompt.size
             and not np.array_equal(prompt, self.prompt_ids)
         ):
-            self.record = msgspec.structs.replace(self.record, path="fallback", reason=cont.IGNORED)
-            self.prompt_ids = self.parent_full = None
+            record = msgspec.structs.replace(self.record, path="fallback", reason=cont.IGNORED)
+            return replace(self, record=record, prompt_ids=None, parent_full=None)
+        return self
 
-    def engine_messages(self, messages: list) -> list | msgspec.Raw:
+    def engine_messages(self, messages: list[Any]) -> list[Any] | msgspec.Raw:
         """The `messages` the engine is sent. Given the prompt ids (an exact continuation) it
         neither templates nor tokenizes them, so only the continued reply and what follows it
         go: the rest would be sent, parsed and validated for nothing (at 32k tokens, 130 kB a

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if "protocol" in inspect.signature(func).parameters:
         kwargs["protocol"] = args.protocol
     result = func(**kwargs)
-    if inspect.isawaitable(result):
+    if inspect.iscoroutine(result):
         asyncio.run(result)
     return 0
 

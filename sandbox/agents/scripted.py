@@ -14,6 +14,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionToolParam
 
 TURNS = 4
 MAX_TOKENS = 512
@@ -24,7 +28,7 @@ SYSTEM = (
     "create or replace files. When you are done, answer without calling a tool."
 )
 
-WRITE_FILE = {
+WRITE_FILE: ChatCompletionToolParam = {
     "type": "function",
     "function": {
         "name": "write_file",
@@ -64,7 +68,7 @@ def run(*, prompt: str, base_url: str, api_key: str, model: str, workdir: str) -
 
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=1)
     files = sorted(p for p in os.listdir(workdir) if not p.startswith("."))
-    messages: list[dict] = [
+    messages: list[Any] = [  # the SDK's message params, and its replies dumped
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"{prompt}\n\nFiles in the project: {', '.join(files)}"},
     ]
@@ -80,9 +84,10 @@ def run(*, prompt: str, base_url: str, api_key: str, model: str, workdir: str) -
                 fh.write((message.content or "") + "\n")
             return
         for call in calls:
-            result = (
-                write_file(workdir, call.function.arguments)
-                if call.function.name == "write_file"
-                else f"error: unknown tool {call.function.name!r}"
-            )
+            if call.type != "function":  # a custom tool: none was offered
+                result = f"error: unknown tool type {call.type!r}"
+            elif call.function.name == "write_file":
+                result = write_file(workdir, call.function.arguments)
+            else:
+                result = f"error: unknown tool {call.function.name!r}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})

@@ -61,8 +61,9 @@ class SandboxResult(msgspec.Struct, frozen=True):
 
     @property
     def gateway_status(self) -> GatewayStatus:
-        return {"ok": "finished", "tampered": "finished", "timeout": "timeout"}.get(
-            self.status, "failed")
+        statuses: dict[str, GatewayStatus] = {
+            "ok": "finished", "tampered": "finished", "timeout": "timeout"}
+        return statuses.get(self.status, "failed")
 
     def metrics(self) -> dict:
         """What the runner posts with the reward: enough to tell why a rollout scored what it
@@ -117,3 +118,7 @@ def needs_verifier(status: SandboxStatus, crash_reward: CrashReward) -> bool:
 
 class Backend(Protocol):
     async def run(self, request: SandboxRequest) -> SandboxResult: ...
+
+    async def aclose(self) -> None:
+        """Ends what the backend keeps between sandboxes (Harbor's worker process)."""
+        ...

@@ -67,6 +67,7 @@ from sandbox.layout import (
     write_identity,
 )
 from sandbox.limits import Limits
+from sandbox.pools import PhasePools
 from sandbox.presets import LaunchContext, build_launch, harness_limits, install_paths
 from sandbox.process import ProcessOutcome, run_contained
 from sandbox.relay import Relay, forwarded, inside_port, inside_url
@@ -210,21 +211,12 @@ class _Sandbox:
         isolation: Isolation = "bwrap" if self.confined else "none"
         agent_limits = harness_limits(harness)
         inside = INSIDE_DIRS if self.confined else None
-        if problem := await self.hold_image(stack):
-            return self.result("setup_failed", None, f"task image: {problem}")
-
         dirs = self.area("agent", agent_limits.disk_mb)
-        write_files(dirs.work, task.files)
+        async with backend.pools.slot("setup"):
+            setup, failed = await self.set_up(stack, dirs)
+        if failed is not None:
+            return failed
         env = self.env(dirs)
-        setup = None
-        if task.setup:
-            self.give(dirs, self.agent_uid)
-            setup = await self.phase(["/bin/sh", "-c", task.setup], dirs, self.agent_uid, env,
-                                     backend.task_limits, task.timeouts.setup_s,
-                                     self.read_only([]))
-            if setup.status != "ok":
-                reward, detail = decide_reward("setup_failed", request.crash_reward, None)
-                return self.result("setup_failed", reward, detail, setup=setup)
         openai_url, anthropic_url = access.openai_base_url, access.anthropic_base_url
         if self.confined:
             openai_url, anthropic_url = inside_url(openai_url), inside_url(anthropic_url)
@@ -246,10 +238,11 @@ class _Sandbox:
                 gateway_socket = relay.path
             argv = forwarded(argv, inside_port(access.openai_base_url), shell, prelude)
         try:
-            agent = await self.phase(argv, dirs, self.agent_uid, env | launch.env, agent_limits,
-                                     task.timeouts.agent_s,
-                                     self.read_only(install_paths(harness, self.path)),
-                                     gateway_socket=gateway_socket)
+            async with backend.pools.slot("agent"):
+                agent = await self.phase(argv, dirs, self.agent_uid, env | launch.env,
+                                         agent_limits, task.timeouts.agent_s,
+                                         self.read_only(install_paths(harness, self.path)),
+                                         gateway_socket=gateway_socket)
         finally:
             if relay is not None:
                 await relay.close()
@@ -260,12 +253,32 @@ class _Sandbox:
                                agent=agent, setup=setup)
         verifier = None
         if needs_verifier(status, request.crash_reward):
-            verifier = await self.verify(task, dirs)
+            async with backend.pools.slot("verify"):
+                verifier = await self.verify(task, dirs)
             if verifier.tampered:
                 status = "tampered"
         reward, detail = decide_reward(status, request.crash_reward, verifier)
         return self.result(status, reward, detail, agent=agent, setup=setup, verifier=verifier,
                            isolation=isolation)
+
+    async def set_up(self, stack: contextlib.ExitStack, dirs: SandboxDirs
+                     ) -> tuple[ProcessOutcome | None, SandboxResult | None]:
+        """The setup phase: the task's image held, its files written, its setup command run.
+        Returns the setup command's outcome, and the sandbox's result if setup failed."""
+        task = self.request.task
+        if problem := await self.hold_image(stack):
+            return None, self.result("setup_failed", None, f"task image: {problem}")
+        write_files(dirs.work, task.files)
+        if not task.setup:
+            return None, None
+        self.give(dirs, self.agent_uid)
+        setup = await self.phase(["/bin/sh", "-c", task.setup], dirs, self.agent_uid,
+                                 self.env(dirs), self.backend.task_limits,
+                                 task.timeouts.setup_s, self.read_only([]))
+        if setup.status != "ok":
+            reward, detail = decide_reward("setup_failed", self.request.crash_reward, None)
+            return setup, self.result("setup_failed", reward, detail, setup=setup)
+        return setup, None
 
     async def verify(self, task: Task, agent_dirs: SandboxDirs) -> VerifierResult:
         """The verifier over a copy of the agent's workdir, in its own area and uid; for a
@@ -360,6 +373,7 @@ class LocalBackend:
         gateway_socket: str | None = None,
         read_only_paths: Sequence[str] = (),
         image_cache: images.Cache | None = None,
+        pools: PhasePools | None = None,
     ) -> None:
         """`root`: where sandbox directories are made (default: a directory of this user's in
         the system temp dir); no phase sees any of it but its own area. `task_limits`: limits
@@ -370,7 +384,9 @@ class LocalBackend:
         `gateway_socket`: the gateway's own Unix socket (`rolltap gateway --unix-socket`),
         bound into sandboxes instead of a relay to its TCP address. `read_only_paths`: more
         host paths confined harnesses may read (a Node.js outside /usr, say). `image_cache`:
-        where task images are unpacked (default: images.CacheConfig.from_env())."""
+        where task images are unpacked (default: images.CacheConfig.from_env()). `pools`: the
+        concurrency limits of the setup, agent and verification phases (default: none, only
+        measured)."""
         if isolation not in ("bwrap", "none"):
             raise ValueError(f"isolation must be bwrap or none, not {isolation!r}")
         if isolation == "bwrap":
@@ -385,6 +401,10 @@ class LocalBackend:
         # Expected tests by task content: collected once on the task's own files.
         self.expected: dict[str, frozenset[str]] = {}
         self.image_cache = image_cache
+        self.pools = pools or PhasePools()
+
+    async def aclose(self) -> None:
+        """Nothing outlives its sandbox here."""
 
     async def run(self, request: SandboxRequest) -> SandboxResult:
         _check_urls(request)

@@ -24,6 +24,7 @@ import msgspec
 
 from sandbox.backends.base import SandboxRequest, SandboxResult, SandboxStatus
 from sandbox.harbor.protocol import Cancel, Ready, TrialReply, TrialRequest, decoder, encode
+from sandbox.pools import PhasePools
 from sandbox.relay import inside_url
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -97,7 +98,7 @@ class HarborBackend:
                  environment_kwargs: dict[str, Any] | None = None,
                  agent_kwargs: dict[str, Any] | None = None,
                  extra_env: dict[str, str] | None = None, reward_key: str = "reward",
-                 trials_dir: str | None = None) -> None:
+                 trials_dir: str | None = None, pools: PhasePools | None = None) -> None:
         self.agent, self.model, self.gateway = agent, model, gateway
         self.public_url = public_url or gateway
         self.environment = environment
@@ -108,6 +109,8 @@ class HarborBackend:
         self.extra_env = dict(extra_env or {})
         self.reward_key = reward_key
         self.trials_dir = trials_dir or tempfile.mkdtemp(prefix="rolltap-harbor-trials-")
+        # The limits go to the worker, which holds the slots; the waits it reports land here.
+        self.pools = pools or PhasePools()
         self.python = harbor_python()
         self.ready: Ready | None = None
         self._ids = itertools.count(1)
@@ -182,7 +185,8 @@ class HarborBackend:
             trial_name=f"{request.task.id}__{request.access.rollout_id[:12]}",
             trials_dir=self.trials_dir, agent=self.agent, model=self.model,
             agent_env=self._env(request), agent_kwargs=self.agent_kwargs,
-            environment=self.environment, environment_kwargs=self.environment_kwargs)
+            environment=self.environment, environment_kwargs=self.environment_kwargs,
+            pool_limits=self.pools.limits())
         reply_future: asyncio.Future[TrialReply] = asyncio.get_running_loop().create_future()
         self._pending[trial.id] = reply_future
         self._send(worker, trial)
@@ -193,6 +197,8 @@ class HarborBackend:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(reply_future, 30)
             raise
+        for phase, waited in reply.queue_wait_s.items():
+            self.pools.note(phase, waited)
         outcome = trial_outcome(reply, self.reward_key)
         return SandboxResult(
             status=outcome.status, reward=outcome.reward, reward_detail=outcome.detail,

@@ -62,7 +62,7 @@ def parse_kwargs(pairs: list[str], flag: str) -> dict[str, Any]:
     return out
 
 
-def make_backend(args: argparse.Namespace, agent: str):
+def make_backend(args: argparse.Namespace, agent: str, pools=None):
     from sandbox.harbor.backend import HarborBackend
 
     backend = HarborBackend(
@@ -71,6 +71,6 @@ def make_backend(args: argparse.Namespace, agent: str):
         environment_kwargs=parse_kwargs(args.environment_kwarg, "--environment-kwarg"),
         agent_kwargs=parse_kwargs(args.agent_kwarg, "--agent-kwarg"),
         extra_env={k: str(v) for k, v in parse_kwargs(args.agent_env, "--agent-env").items()},
-        reward_key=args.reward_key, trials_dir=args.trials_dir)
+        reward_key=args.reward_key, trials_dir=args.trials_dir, pools=pools)
     backend.check()
     return backend

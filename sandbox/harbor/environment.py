@@ -57,6 +57,7 @@ import signal
 import sys
 import tarfile
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -184,7 +185,7 @@ class BwrapEnvironment(BaseEnvironment):
     one, the default; `host`: the host's system directories)."""
 
     def __init__(self, *args, gateway_url: str | None = None, disk_mb: int | str = 1024,
-                 ro_paths: list[str] | str = (), path: list[str] | str = (),
+                 ro_paths: Sequence[str] | str = (), path: Sequence[str] | str = (),
                  rootfs: str = "image", **kwargs) -> None:
         if rootfs not in ("image", "host"):
             raise ValueError(f"rootfs={rootfs!r}: give rootfs=image (the task's image) or "
@@ -236,6 +237,7 @@ class BwrapEnvironment(BaseEnvironment):
               info_fd: int, rootfs: str | None) -> list[str]:
         if not own_uids():
             return sandbox_argv(bwrap, disk_mb, socket, info_fd, self._read_only)
+        assert setpriv is not None  # `tools()` refuses root without it
         uid = self._agent_uid = new_uid()
         if rootfs is None:
             return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
@@ -458,7 +460,7 @@ class _Verifier:
     home: str
 
 
-def _paths(value: list[str] | str) -> list[str]:
+def _paths(value: Sequence[str] | str) -> list[str]:
     """A kwarg given as a list, or from the command line as one string of paths split by
     ':'."""
     parts = value.split(":") if isinstance(value, str) else list(value)

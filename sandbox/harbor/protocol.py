@@ -25,6 +25,9 @@ class TrialRequest(msgspec.Struct, frozen=True, tag="trial"):
     agent_kwargs: dict[str, Any] = {}
     environment: str = "bwrap"  # "bwrap", a Harbor environment type, or module:Class
     environment_kwargs: dict[str, Any] = {}
+    # The run's phase limits (sandbox/pools.py: setup, agent, verify; absent: no limit), the
+    # same in every request of a run: the worker's pools take the first request's.
+    pool_limits: dict[str, int] = {}
 
 
 class TrialReply(msgspec.Struct, frozen=True, tag="reply"):
@@ -37,6 +40,8 @@ class TrialReply(msgspec.Struct, frozen=True, tag="reply"):
     # Seconds of each phase Harbor timed, by name (environment_setup, agent_execution, ...).
     phases: dict[str, float] = {}
     trial_dir: str | None = None
+    # Seconds the trial queued for each phase's slot (sandbox/pools.py).
+    queue_wait_s: dict[str, float] = {}
     # A failure of the worker itself around the trial (bad agent name, task that does not load).
     error: str | None = None
 

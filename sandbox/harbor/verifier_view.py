@@ -188,7 +188,8 @@ def build(spec: dict, mount) -> None:
     """In a fresh mount namespace (the caller's is the sandbox's): the view at a fresh tmpfs,
     made the process's root."""
     uid = spec["uid"]
-    os.unshare(os.CLONE_NEWNS)
+    # Harbor's Python (3.12) has them; pyright reads os's stub as of the project's 3.11.
+    os.unshare(os.CLONE_NEWNS)  # pyright: ignore[reportAttributeAccessIssue]
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     entries = _entries()
     opened = _open_entries(entries)
@@ -214,7 +215,7 @@ def main() -> int:
     mount = _libc_mount()
     fds = [os.open(f"/proc/{spec['pid']}/ns/{ns}", os.O_RDONLY) for ns in NAMESPACES]
     for fd in fds:
-        os.setns(fd, 0)
+        os.setns(fd, 0)  # pyright: ignore[reportAttributeAccessIssue] (3.12, as above)
         os.close(fd)
     ready_r, ready_w = os.pipe()
     child = os.fork()  # the PID namespace holds only the children of who entered it

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 # Harbor reaches for the network at import unless told not to (telemetry, litellm's cost map).
 os.environ.setdefault("HARBOR_TELEMETRY", "0")
@@ -33,12 +34,13 @@ BWRAP = "sandbox.harbor.environment:BwrapEnvironment"
 
 
 def _environment_config(request: TrialRequest):
+    from harbor.models.environment_type import EnvironmentType
     from harbor.models.trial.config import EnvironmentConfig
 
     name = BWRAP if request.environment == "bwrap" else request.environment
     if ":" in name:
         return EnvironmentConfig(import_path=name, kwargs=dict(request.environment_kwargs))
-    return EnvironmentConfig(type=name, kwargs=dict(request.environment_kwargs))
+    return EnvironmentConfig(type=EnvironmentType(name), kwargs=dict(request.environment_kwargs))
 
 
 def _agent_config(request: TrialRequest):
@@ -47,9 +49,10 @@ def _agent_config(request: TrialRequest):
     from sandbox.harbor.agents import OFFLINE
 
     agent = OFFLINE.get(request.agent, request.agent)
-    where = {"import_path": agent} if ":" in agent else {"name": agent}
-    return AgentConfig(**where, model_name=request.model, env=dict(request.agent_env),
-                       kwargs=dict(request.agent_kwargs))
+    by_path = ":" in agent  # module:Class, or one of Harbor's agent names
+    return AgentConfig(name=None if by_path else agent, import_path=agent if by_path else None,
+                       model_name=request.model, env=dict(request.agent_env),
+                       kwargs=dict(request.agent_kwargs))  # fmt: skip
 
 
 def _phase_hooks(trial) -> None:
@@ -74,6 +77,41 @@ def _phase_hooks(trial) -> None:
     trial.add_hook(TrialEvent.AGENT_START, agent)
 
 
+def _pool_hooks(trial, holder) -> None:
+    """Moves the trial between the run's phase pools (sandbox/pools.py) as Harbor announces
+    its phases: environment start and health check, agent install and run (one slot from
+    AGENT_START, Harbor's install comes before it under the setup slot), verification."""
+    from harbor.trial.hooks import TrialEvent
+
+    def enter(phase):
+        async def hook(_event) -> None:
+            await holder.enter(phase)
+        return hook
+
+    async def leave(_event) -> None:
+        holder.leave()
+
+    trial.add_hook(TrialEvent.ENVIRONMENT_START, enter("setup"))
+    trial.add_hook(TrialEvent.AGENT_START, enter("agent"))
+    trial.add_hook(TrialEvent.AGENT_END, leave)
+    trial.add_hook(TrialEvent.VERIFICATION_START, enter("verify"))
+    trial.add_hook(TrialEvent.END, leave)
+    trial.add_hook(TrialEvent.CANCEL, leave)
+
+
+_pools = None  # the run's phase pools, from its first request
+
+
+def _holder(request: TrialRequest):
+    global _pools
+    from sandbox.pools import Holder, PhasePools
+
+    if _pools is None:
+        limits = request.pool_limits
+        _pools = PhasePools(limits.get("setup"), limits.get("agent"), limits.get("verify"))
+    return Holder(_pools)
+
+
 def _seconds(timing) -> float | None:
     if timing is None or timing.started_at is None or timing.finished_at is None:
         return None
@@ -86,15 +124,20 @@ async def run_trial(request: TrialRequest) -> TrialReply:
 
     try:
         config = TrialConfig(
-            task=TaskConfig(path=request.task_dir),
+            task=TaskConfig(path=Path(request.task_dir)),
             trial_name=request.trial_name,
-            trials_dir=request.trials_dir,
+            trials_dir=Path(request.trials_dir),
             agent=_agent_config(request),
             environment=_environment_config(request),
         )
         trial = await Trial.create(config)
         _phase_hooks(trial)
-        result = await trial.run()
+        holder = _holder(request)
+        _pool_hooks(trial, holder)
+        try:
+            result = await trial.run()
+        finally:
+            holder.leave()
     except Exception as exc:  # the trial never ran: the caller reports it as this rollout's
         return TrialReply(id=request.id, rewards=None, reward_valid=False,
                           error=f"{type(exc).__name__}: {exc}")
@@ -114,6 +157,7 @@ async def run_trial(request: TrialRequest) -> TrialReply:
         failure_cause=getattr(cause, "value", cause) if cause is not None else None,
         phases=phases,
         trial_dir=str(os.path.join(request.trials_dir, request.trial_name)),
+        queue_wait_s={k: round(v, 3) for k, v in holder.waited_s.items()},
     )
 
 
