@@ -80,6 +80,10 @@ FLAGS = [
     ('--db-command-timeout', 10.0, 'SECONDS', None,
      'longest a database statement (a commit of call records included) may take before the '
      'calls waiting on it fail with 503 (env ROLLTAP_DB_COMMAND_TIMEOUT; default 10.0)'),
+    ('--commit-wait', 5.0, 'SECONDS', None,
+     "longest a call waits for its record's commit before it is answered with a retryable "
+     '503 (529 on the Anthropic API); the record is still written when the database answers '
+     'again (env ROLLTAP_COMMIT_WAIT; default 5.0)'),
     ('--max-pending-records', 4096, 'N', None,
      'call records that may wait for their commit; beyond that new calls are turned away '
      'with 503/529 and Retry-After (env ROLLTAP_MAX_PENDING_RECORDS; default 4096)'),
