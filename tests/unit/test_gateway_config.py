@@ -63,6 +63,12 @@ FLAGS = [
     ('--tokenizer', None, 'MODEL_DIR', None,
      "the served model's directory; the trace viewer (/ui) shows token text decoded with its"
      ' tokenizer.json; default: --local-template (env ROLLTAP_TOKENIZER)'),
+    ('--run-metrics', None, 'URL', None,
+     "a Prometheus endpoint of the run's other processes, e.g. the runner's (`rolltap "
+     "rollouts --metrics-port 9101`: http://127.0.0.1:9101/metrics); the viewer's run page "
+     "(/ui#/run) plots its rolltap_runner_*, rolltap_trainer_*, rolltap_pool_* and "
+     "rolltap_engine_* series next to the gateway's own; repeatable (env "
+     "ROLLTAP_RUN_METRICS, comma separated)"),
     ('--no-record-bodies', False, None, None,
      'do not keep compressed request/response bodies (token records are always kept) (env '
      'ROLLTAP_RECORD_BODIES=0)'),
