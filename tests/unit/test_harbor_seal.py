@@ -1,7 +1,7 @@
 """The seal on a Harbor task's pytest runs (sandbox/harbor/seal.py), its pure parts: how a
 verifier phase's records split into runs, how each is judged against its expected tests, and
 what test.sh's reward becomes. The shims and launcher in real runs are in
-tests/integration/test_harbor_seal.py; through Harbor, tests/integration/test_harbor_sealed.py."""
+tests/integration/test_seal_shims.py; through Harbor, tests/integration/test_harbor_sealed.py."""
 
 from __future__ import annotations
 
