@@ -44,7 +44,7 @@ and TRL's packed attention loads the flash-attention kernel from the Hugging Fac
 On vLLM's CPU build the model must not tie its LM head to its embeddings (an in-place reload
 does not refresh a tied head there). `rolltap tiny-model` writes an untied model; for another
 model, serve and train an untied copy made by
-trainer_bridge.weights.untie_embeddings(MODEL_DIR, DEST).
+trainer_bridge.checkpoints.untie_embeddings(MODEL_DIR, DEST).
 
 Example (CPU, the tiny model from `rolltap tiny-model models/tiny`):
   rolltap bridge --model models/tiny --vllm http://127.0.0.1:8000 \\
@@ -242,15 +242,14 @@ def _run(args: argparse.Namespace) -> int:
     from trainer_bridge.resume import StateWriter
     from trainer_bridge.source import RolloutSource
     from trainer_bridge.trainer import KernelUnavailable, make_trainer
-    from trainer_bridge.weights import (
-        NcclWeightSync,
+    from trainer_bridge.versions import (
         PauseLease,
         PolicyAnnouncer,
         VersionedTransfer,
-        WeightSyncError,
         gateway_upstreams,
         unsynced_upstreams,
     )
+    from trainer_bridge.weights import NcclWeightSync, WeightSyncError
 
     announcer = PolicyAnnouncer.from_gateways(config.gateway, config.admin_key)
     try:

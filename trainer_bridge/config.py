@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from gateway import knobs
 
 if TYPE_CHECKING:  # the source pulls in TRL: not needed to parse flags or print --help
-    from trainer_bridge.source import SourceConfig
+    from trainer_bridge.release import SourceConfig
 
 _SECRET = ("admin_key",)
 
@@ -131,6 +131,13 @@ class BridgeConfig:
     db_give_up: float = field(default=600.0, metadata=_opt(
         "seconds of nothing but database errors before the bridge gives up (shorter outages "
         "are retried with backoff)", _GROUPS, metavar="S", type=float))
+    flush_after: float = field(default=60.0, metadata=_opt(
+        "seconds without a new sample after which the micro-batch the trainer holds is trained "
+        "as a step although it is not full (the last one of a finite run, or a quiet stretch)",
+        _GROUPS, metavar="S", type=float))
+    until_empty: bool = field(default=False, metadata=_opt(
+        "end the run once nothing is left to deliver (after training what the trainer holds), "
+        "even before --max-steps", _GROUPS, action=argparse.BooleanOptionalAction))
     report_every: float = field(default=30.0, metadata=_opt(
         "seconds between lines saying what the bridge waits for when no step comes, and why "
         "the groups it consumed trained nothing", _GROUPS, metavar="S", type=float))
@@ -178,7 +185,7 @@ class BridgeConfig:
 
     def source_config(self, database_url: str, version_offset: int) -> SourceConfig:
         """The rollout source's part, once the database and the gateways' version are known."""
-        from trainer_bridge.source import SourceConfig
+        from trainer_bridge.release import SourceConfig
 
         return SourceConfig(
             database_url=database_url,
@@ -196,6 +203,8 @@ class BridgeConfig:
             max_attempts=self.max_attempts,
             db_give_up_s=self.db_give_up,
             report_every_s=self.report_every,
+            flush_after_s=self.flush_after,
+            until_empty=self.until_empty,
         )
 
     # -- flags and environment ----------------------------------------------------------------

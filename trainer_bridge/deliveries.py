@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Literal, NamedTuple
+from typing import Any
 from uuid import UUID
 
 import asyncpg
@@ -33,20 +33,9 @@ import msgspec
 
 from gateway.store.ledger import account
 from gateway.store.traces import StoredTrace
+from trainer_bridge.release import Entry, Member, Outcome, PendingGroup
 
-Outcome = Literal["trained", "stale", "too_long", "untrained"]
-
-
-class Entry(NamedTuple):
-    """One line of the delivery log: a trace, what became of it and, for the rollout's ledger,
-    the tokens the step trained and those it left out (masked stale, or the whole trace put aside
-    as stale or too long). Counts may be None where they are not known (zero)."""
-
-    rollout_id: UUID
-    idx: int
-    outcome: Outcome
-    trained_tokens: int | None = None
-    excluded_tokens: int | None = None
+__all__ = ["Entry", "LeaseLost", "TRANSIENT"]
 
 _GROUP_KEY = "coalesce(group_id, id::text)"
 _IN_GROUP = "(group_id = $1 OR (group_id IS NULL AND id::text = $1))"
@@ -77,14 +66,14 @@ class LeaseLost(RuntimeError):
     """The rollouts are no longer leased to this bridge: another bridge took them over."""
 
 
-async def pending_groups(conn: asyncpg.Connection, match: dict) -> list[asyncpg.Record]:
+async def pending_groups(conn: asyncpg.Connection, match: dict[str, Any]) -> list[PendingGroup]:
     """Groups with deliverable rollouts whose metadata contains `match`, oldest first.
 
     Per group: `group_key`, `ready` (deliverable rollouts), `waited_s` (seconds since the first
     of them was merged), `leased` (some bridge holds a live lease on one), `released` (the group
     was released before: its released members are delivered again, the others are late).
     """
-    return await conn.fetch(
+    rows = await conn.fetch(
         f"""
         SELECT {_GROUP_KEY} AS group_key, count(*) AS ready,
                extract(epoch FROM now() - min(merged_at))::float8 AS waited_s,
@@ -101,11 +90,12 @@ async def pending_groups(conn: asyncpg.Connection, match: dict) -> list[asyncpg.
         """,
         match,
     )
+    return [msgspec.convert(dict(row), PendingGroup) for row in rows]
 
 
 async def claim_group(
-    conn: asyncpg.Connection, owner: str, group_key: str, match: dict, lease_s: float
-) -> list[asyncpg.Record] | None:
+    conn: asyncpg.Connection, owner: str, group_key: str, match: dict[str, Any], lease_s: float
+) -> list[Member] | None:
     """Lease every deliverable rollout of a group to `owner`, or none of them.
 
     Returns the claimed rows (id, group_id, task_id, status, reward, finished_at, merge_stats,
@@ -129,7 +119,7 @@ async def claim_group(
         )
         if not rows or len(rows) != total or any(r["live_lease"] for r in rows):
             return None
-        return await conn.fetch(
+        claimed = await conn.fetch(
             "UPDATE rollouts SET lease_owner = $1,"
             " lease_until = now() + make_interval(secs => $2::float8) WHERE id = ANY($3)"
             " RETURNING id, group_id, task_id, status, reward, finished_at, merge_stats,"
@@ -138,6 +128,7 @@ async def claim_group(
             lease_s,
             [r["id"] for r in rows],
         )
+    return [msgspec.convert(dict(row), Member) for row in claimed]
 
 
 async def undelivered_traces(

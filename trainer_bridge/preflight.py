@@ -24,7 +24,7 @@ TIMEOUT_S = 5.0
 # The pair `make test` runs (pyproject.toml pins both). TRL 1.16 warns at import that it
 # supports vLLM 0.22-0.31; the bridge talks to vLLM 0.32 over HTTP only (/pause, /resume,
 # /collective_rpc reload_weights, /reset_prefix_cache, /server_info) on the CPU, and on GPUs
-# through TRL's NCCL weight transfer, which tests/integration/test_nccl_sync.py and
+# through TRL's NCCL weight transfer, which tests/integration/bridge/test_nccl_sync.py and
 # `make gpu-check` cover.
 CHECKED_TRL = "1.16.0"
 CHECKED_VLLM = "0.32.0"

@@ -29,7 +29,7 @@ from uuid import UUID
 import asyncpg
 
 from trainer_bridge import deliveries
-from trainer_bridge.weights import checkpoint_index
+from trainer_bridge.checkpoints import checkpoint_index
 
 HISTORY_FILE = "rolltap-history.json"
 TRAINER_STATE_FILE = "trainer_state.json"  # HF Trainer's name: its resume reads it

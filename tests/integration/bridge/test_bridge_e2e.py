@@ -34,15 +34,12 @@ from gateway.store.tokens import ids_from_bytes
 from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
 from tests.support.vllm import TINY_MODEL_NAME
 from trainer_bridge import resume
+from trainer_bridge.checkpoints import untie_embeddings
 from trainer_bridge.config import match_arg
 from trainer_bridge.serve_model import start_vllm
 from trainer_bridge.toy_task import ToyTask, run_toy_rollouts
-from trainer_bridge.weights import (
-    DiskWeightSync,
-    PolicyAnnouncer,
-    VersionedTransfer,
-    untie_embeddings,
-)
+from trainer_bridge.versions import PolicyAnnouncer, VersionedTransfer
+from trainer_bridge.weights import DiskWeightSync
 
 MAX_STEPS = 30
 # The toy prompt (system, tool schema, question) is about 270 tokens and shared by every
@@ -483,7 +480,7 @@ def _compare_resumed_optimizers(checkpoint_dir) -> int:
     """Checkpoints written at the same step as the one before them are a resumed bridge's first:
     their optimizer state must equal the one it resumed from. Returns how many were compared
     (those with moments to compare: resumed after a step)."""
-    from trainer_bridge.weights import checkpoint_index
+    from trainer_bridge.checkpoints import checkpoint_index
 
     checkpoints = sorted((p for p in checkpoint_dir.iterdir() if checkpoint_index(p)),
                          key=checkpoint_index)

@@ -96,6 +96,13 @@ FLAGS = [
     ('--db-give-up', 600.0, False, 'S', None,
      'seconds of nothing but database errors before the bridge gives up (shorter outages are'
      ' retried with backoff) (env ROLLTAP_DB_GIVE_UP; default 600.0)'),
+    ('--flush-after', 60.0, False, 'S', None,
+     'seconds without a new sample after which the micro-batch the trainer holds is trained as'
+     ' a step although it is not full (the last one of a finite run, or a quiet stretch) (env '
+     'ROLLTAP_FLUSH_AFTER; default 60.0)'),
+    ('--until-empty', False, False, None, None,
+     'end the run once nothing is left to deliver (after training what the trainer holds), '
+     'even before --max-steps (env ROLLTAP_UNTIL_EMPTY; default False)'),
     ('--report-every', 30.0, False, 'S', None,
      'seconds between lines saying what the bridge waits for when no step comes, and why the'
      ' groups it consumed trained nothing (env ROLLTAP_REPORT_EVERY; default 30.0)'),
