@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import re
 import shutil
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -81,9 +83,73 @@ def write_checkpoint(
     return dest
 
 
+def next_checkpoint(checkpoint_dir: Path) -> Path:
+    """Where the next checkpoint goes: numbered on from whatever the directory holds."""
+    existing = [i for p in Path(checkpoint_dir).iterdir() if (i := checkpoint_index(p))]
+    return Path(checkpoint_dir) / f"policy-{max(existing, default=0) + 1:06d}"
+
+
+def prune_checkpoints(checkpoint_dir: Path, keep: int, resumable: Callable[[Path], bool],
+                      protected: set[Path]) -> None:
+    """Remove all but the newest `keep` checkpoints, the newest `resumable` one and the
+    `protected` ones."""
+    checkpoints = sorted((p for p in Path(checkpoint_dir).iterdir() if checkpoint_index(p)),
+                         key=lambda p: checkpoint_index(p) or 0)
+    kept = {*checkpoints[-keep:], *[p for p in checkpoints if resumable(p)][-1:]}
+    for path in checkpoints:
+        if path not in kept and path.resolve() not in protected:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+Named = Iterator[tuple[str, torch.Tensor]]
+
+
+def send_and_write(named_tensors: Iterable[tuple[str, torch.Tensor]], send: Callable[[Named], None],
+                   model_dir: Path, dest: Path,
+                   extra: Callable[[Path], None] | None = None) -> Path:
+    """`send` the tensors and write them as checkpoint `dest` from the same pass: each one is
+    copied to the CPU as it goes by and written by a thread (`write_checkpoint`), so a stream
+    that can be read once (TRL's, gathered parameter by parameter) is read once. The checkpoint
+    appears only if both the send and the write succeed."""
+    passing: queue.Queue[tuple[str, torch.Tensor] | None] = queue.Queue(maxsize=4)
+    failed: list[BaseException] = []
+
+    def received() -> Iterator[tuple[str, torch.Tensor]]:
+        while (item := passing.get()) is not None:
+            yield item
+
+    def write() -> None:
+        try:
+            write_checkpoint(received(), model_dir, dest.with_name(f".{dest.name}.sent"),
+                             extra=extra)
+        except BaseException as exc:  # raised in the caller's thread below
+            failed.append(exc)
+            for _ in iter(passing.get, None):  # keep the sender from blocking
+                pass
+
+    writer = threading.Thread(target=write, name="rolltap-state-writer", daemon=True)
+    writer.start()
+
+    def tee() -> Named:
+        for name, tensor in named_tensors:
+            passing.put((name, tensor.detach().to("cpu", copy=True)))
+            yield name, tensor
+
+    try:
+        send(tee())
+    finally:
+        passing.put(None)
+        writer.join()
+    if failed:
+        raise failed[0]
+    dest.with_name(f".{dest.name}.sent").rename(dest)
+    return dest
+
+
 def remove_partial_checkpoints(checkpoint_dir: Path) -> list[Path]:
     """Remove the checkpoints a crash left half written (`write_checkpoint`'s partial ones)."""
-    partials = list(Path(checkpoint_dir).glob(".policy-*.partial"))
+    partials = [*Path(checkpoint_dir).glob(".policy-*.partial"),
+                *Path(checkpoint_dir).glob(".policy-*.sent")]
     for partial in partials:
         log.warning("weight sync: removing %s, a checkpoint a crash left unfinished", partial)
         shutil.rmtree(partial)

@@ -62,8 +62,9 @@ class BridgeConfig:
     output_dir: Path = field(default=Path("runs/bridge"), metadata=_opt(
         "trainer output, progress.jsonl and summary.json", _WHERE, metavar="DIR", type=Path))
     checkpoint_dir: Path | None = field(default=None, metadata=_opt(
-        "disk sync: where checkpoints are written for the replicas to load; must be the same "
-        "path on their machines (default OUTPUT_DIR/weights)", _WHERE, metavar="DIR", type=Path))
+        "where checkpoints are written (disk sync: for the replicas to load, so the same path "
+        "on their machines; nccl sync: to resume from) (default OUTPUT_DIR/weights)", _WHERE,
+        metavar="DIR", type=Path))
 
     # -- training
     num_generations: int = field(default=8, metadata=_opt(
@@ -149,13 +150,14 @@ class BridgeConfig:
         "disk sync: newest checkpoints kept; the last is the trained model", _WEIGHTS,
         metavar="N", type=int))
     resume: bool = field(default=False, metadata=_opt(
-        "disk sync: start from the newest complete checkpoint in --checkpoint-dir (weights, "
-        "optimizer, scheduler, step) and put back in the queue what later steps logged; "
-        "without one, start from --model", _WEIGHTS, action=argparse.BooleanOptionalAction))
+        "start from the newest complete checkpoint in --checkpoint-dir (weights, optimizer, "
+        "scheduler, step) and put back in the queue what later steps logged; without one, "
+        "start from --model", _WEIGHTS, action=argparse.BooleanOptionalAction))
     state_every: int = field(default=1, metadata=_opt(
-        "disk sync: save the optimizer and scheduler with every Nth checkpoint, which makes it "
-        "one to resume from; a crash re-trains at most N steps (raise it on GPUs, where the "
-        "optimizer state is twice the model)", _WEIGHTS, metavar="N", type=int))
+        "save the optimizer and scheduler with every Nth checkpoint, which makes it one to "
+        "resume from (nccl sync: write a checkpoint every Nth push only); a crash re-trains at "
+        "most N steps (raise it on GPUs, where the optimizer state is twice the model)",
+        _WEIGHTS, metavar="N", type=int))
     pause_lease_seconds: float = field(default=5.0, metadata=_opt(
         "a weight sync's pause is leased from the gateways for this long and renewed; a "
         "bridge that dies mid-push has its replicas resumed by the gateways once it runs out",
@@ -170,8 +172,6 @@ class BridgeConfig:
             raise ValueError("temperature must be positive (the trainer divides logits by it)")
         if self.state_every < 1 or self.pause_lease_seconds <= 0:
             raise ValueError("state_every must be at least 1 and pause_lease_seconds positive")
-        if self.resume and self.weight_sync != "disk":
-            raise ValueError("resume reads the disk sync's checkpoints: use --weight-sync disk")
 
     def to_dict(self, *, redact: bool = True) -> dict[str, Any]:
         """Every knob as JSON-ready values; secrets shown only as set or not."""

@@ -31,6 +31,7 @@ from uuid import UUID
 import asyncpg
 import msgspec
 
+from gateway.store.conn import Conn
 from gateway.store.ledger import account
 from gateway.store.traces import StoredTrace
 from trainer_bridge.release import Entry, Member, Outcome, PendingGroup
@@ -66,7 +67,7 @@ class LeaseLost(RuntimeError):
     """The rollouts are no longer leased to this bridge: another bridge took them over."""
 
 
-async def pending_groups(conn: asyncpg.Connection, match: dict[str, Any]) -> list[PendingGroup]:
+async def pending_groups(conn: Conn, match: dict[str, Any]) -> list[PendingGroup]:
     """Groups with deliverable rollouts whose metadata contains `match`, oldest first.
 
     Per group: `group_key`, `ready` (deliverable rollouts), `waited_s` (seconds since the first
@@ -94,7 +95,7 @@ async def pending_groups(conn: asyncpg.Connection, match: dict[str, Any]) -> lis
 
 
 async def claim_group(
-    conn: asyncpg.Connection, owner: str, group_key: str, match: dict[str, Any], lease_s: float
+    conn: Conn, owner: str, group_key: str, match: dict[str, Any], lease_s: float
 ) -> list[Member] | None:
     """Lease every deliverable rollout of a group to `owner`, or none of them.
 
@@ -132,7 +133,7 @@ async def claim_group(
 
 
 async def undelivered_traces(
-    conn: asyncpg.Connection, rollout_ids: list[UUID]
+    conn: Conn, rollout_ids: list[UUID]
 ) -> dict[UUID, list[tuple[int, StoredTrace]]]:
     """Each rollout's trainable merged sequences that no delivery covers yet, with their index."""
     rows = await conn.fetch(
@@ -147,7 +148,7 @@ async def undelivered_traces(
 
 
 async def release_group(
-    conn: asyncpg.Connection,
+    conn: Conn,
     owner: str,
     advantages: dict[UUID, float],
     dropped: Sequence[UUID],
@@ -168,6 +169,7 @@ async def release_group(
             owner,
             ids,
         )
+        held = int(held or 0)
         if held != len(set(ids)):
             raise LeaseLost(f"{len(set(ids)) - held} of {len(set(ids))} rollouts are no longer "
                             f"leased to {owner}")
@@ -189,7 +191,7 @@ async def release_group(
 
 
 async def acknowledge(
-    conn: asyncpg.Connection,
+    conn: Conn,
     owner: str,
     step: int,
     entries: Sequence[Entry | tuple[UUID, int, Outcome]],
@@ -218,14 +220,14 @@ async def acknowledge(
 
 
 async def _log(
-    conn: asyncpg.Connection,
+    conn: Conn,
     owner: str,
     step: int | None,
     entries: Iterable[Entry | tuple[UUID, int, Outcome]],
     *,
     leased: bool,
 ) -> None:
-    entries = [Entry(*e) for e in entries]
+    entries = [e if isinstance(e, Entry) else Entry(e[0], e[1], e[2]) for e in entries]
     if not entries:
         return
     rollout_ids, idxs, outcomes, trained, excluded = (
@@ -252,7 +254,7 @@ async def _log(
     )
 
 
-async def _consume_complete(conn: asyncpg.Connection, owner: str, rollout_ids: list[UUID]) -> None:
+async def _consume_complete(conn: Conn, owner: str, rollout_ids: list[UUID]) -> None:
     done = await conn.fetch(
         "UPDATE rollouts r SET consumed_at = now(), lease_until = NULL"
         " WHERE r.id = ANY($2) AND r.lease_owner = $1 AND r.consumed_at IS NULL"
@@ -264,7 +266,7 @@ async def _consume_complete(conn: asyncpg.Connection, owner: str, rollout_ids: l
     await _write_ledgers(conn, done, dropped=False)
 
 
-async def _write_ledgers(conn: asyncpg.Connection, consumed: Sequence, *, dropped: bool) -> None:
+async def _write_ledgers(conn: Conn, consumed: Sequence, *, dropped: bool) -> None:
     """Each consumed rollout's ledger (gateway/store/ledger.py), from its merge and its log."""
     if not consumed:
         return
@@ -288,7 +290,7 @@ async def _write_ledgers(conn: asyncpg.Connection, consumed: Sequence, *, droppe
     )
 
 
-async def ledgers(conn: asyncpg.Connection, rollout_ids: Sequence[UUID]) -> dict[UUID, dict]:
+async def ledgers(conn: Conn, rollout_ids: Sequence[UUID]) -> dict[UUID, dict]:
     """The ledgers of the consumed ones among `rollout_ids`."""
     rows = await conn.fetch(
         "SELECT id, ledger FROM rollouts WHERE id = ANY($1) AND ledger IS NOT NULL",
@@ -298,7 +300,7 @@ async def ledgers(conn: asyncpg.Connection, rollout_ids: Sequence[UUID]) -> dict
 
 
 async def renew(
-    conn: asyncpg.Connection, owner: str, rollout_ids: list[UUID], lease_s: float
+    conn: Conn, owner: str, rollout_ids: list[UUID], lease_s: float
 ) -> set[UUID]:
     """Extend `owner`'s leases on `rollout_ids`; returns the ones it still holds."""
     rows = await conn.fetch(
@@ -312,7 +314,7 @@ async def renew(
 
 
 async def release(
-    conn: asyncpg.Connection, owner: str, rollout_ids: list[UUID], *, fault: bool = False
+    conn: Conn, owner: str, rollout_ids: list[UUID], *, fault: bool = False
 ) -> None:
     """Give back a claim that will not be delivered (now), so another bridge need not wait it
     out; with `fault` the group itself failed, which counts towards its quarantine."""
@@ -327,7 +329,7 @@ async def release(
 
 
 async def revert_steps_after(
-    conn: asyncpg.Connection, trained_through: dict[str, int]
+    conn: Conn, trained_through: dict[str, int]
 ) -> list[UUID]:
     """Take back what the delivery log says the steps after a checkpoint trained:
     `trained_through` maps each bridge of the checkpoint's history to its last step in it. Their
@@ -352,7 +354,7 @@ async def revert_steps_after(
     return ids
 
 
-async def quarantine(conn: asyncpg.Connection, owner: str, rollout_ids: list[UUID]) -> None:
+async def quarantine(conn: Conn, owner: str, rollout_ids: list[UUID]) -> None:
     """Put a claimed group aside for good: no bridge delivers it again until someone clears
     `quarantined_at` (and `delivery_attempts`)."""
     await conn.execute(

@@ -25,6 +25,7 @@ from uuid import UUID
 import asyncpg
 import numpy as np
 
+from gateway.store.conn import Conn
 from gateway.store.db import open_pool
 from gateway.store.traces import FINISHED_CHANNEL
 from trainer_bridge import deliveries
@@ -125,7 +126,7 @@ class Feeder:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._loop is not None
 
-    def call(self, op: Callable[[asyncpg.Connection], Awaitable[T]], what: str) -> T:
+    def call(self, op: Callable[[Conn], Awaitable[T]], what: str) -> T:
         """`op` on a pooled connection from another thread, retried through transient
         database errors; returns its result."""
         loop = self._loop
@@ -185,7 +186,7 @@ class Feeder:
                 await listener.close()
             await self._pool.close()
 
-    async def _retry(self, op: Callable[[asyncpg.Connection], Awaitable[T]], what: str) -> T:
+    async def _retry(self, op: Callable[[Conn], Awaitable[T]], what: str) -> T:
         backoff = Backoff(self.config.db_give_up_s)
         while True:
             try:

@@ -10,7 +10,8 @@ source has nothing left to deliver, which ends the run.
 
 The trainer's thread drives all of it: TRL's queue reader calls `DeliveryQueue.get`, which
 raises `FlushDue` or `StreamEnded` instead of waiting on; `FlushingBatcher` (TRL's batcher with
-that one rule added) catches them. The source's feeder only reads `OpenBatch` (for the waiting
+that one rule added) trains what it holds on the first and ends the epoch, and passes the second
+on to the trainer, which stops. The source's feeder only reads `OpenBatch` (for the waiting
 line) and sets `OpenBatch.source_empty`.
 """
 
@@ -35,7 +36,9 @@ class FlushDue(Exception):
 
 
 class StreamEnded(Exception):
-    """`until_empty`: the source has nothing left, and the trainer holds nothing."""
+    """`until_empty`: the source has nothing left, and the trainer holds nothing (so neither
+    does accelerate's dispatcher: it holds a micro-batch only while the one after it is open).
+    The trainer ends the run on it (`RolltapGRPOTrainer.get_batch_samples`)."""
 
 
 class Held(msgspec.Struct, frozen=True):
@@ -156,20 +159,22 @@ class FlushingBatcher(TokenBudgetBatcher):
 
     def __iter__(self) -> Iterator[list[TreeRow]]:  # pyright: ignore[reportIncompatibleMethodOverride]
         rows = self._fresh()
-        while not self.open_batch.ended:
-            try:
-                # TRL's reader keeps no state of its own in the loop: a new one takes over.
-                for sample in self.dataset:
-                    rows, closed = self._add(rows, sample)
-                    if closed is not None:
-                        yield closed
-            except FlushDue:
-                log.info("training a partial micro-batch of %d samples: no new sample for "
-                         "%.0f s", self.open_batch.held.samples, self.open_batch.flush_after_s)
-                yield rows
-                rows = self._fresh()
-            except StreamEnded:
-                self.open_batch.ended = True
+        try:
+            for sample in self.dataset:
+                rows, closed = self._add(rows, sample)
+                if closed is not None:
+                    yield closed
+        except FlushDue:
+            log.info("training a partial micro-batch of %d samples: no new sample for %.0f s",
+                     self.open_batch.held.samples, self.open_batch.flush_after_s)
+            yield rows
+            self._fresh()
+            # Accelerate's dispatcher fetches a micro-batch ahead before it hands one over: the
+            # iteration (the trainer's epoch) ends here, so it hands over both it holds. The
+            # trainer's next epoch iterates anew.
+        except StreamEnded:
+            self.open_batch.ended = True
+            raise
 
     def _fresh(self) -> list[TreeRow]:
         rows = [TreeRow() for _ in range(self.num_processes)]

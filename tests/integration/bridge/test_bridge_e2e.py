@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -576,15 +577,21 @@ def test_plain_chat_rollouts_train_and_a_group_of_side_calls_says_why_it_does_no
             assert summary["trained_nothing"].startswith("trained nothing: ")
             assert "excluded as auxiliary" in summary["trained_nothing"]
 
-        # One group of plain chat rollouts, less than a step: the bridge says what it holds and
-        # what a step needs, within 30 s.
+        # One group of plain chat rollouts, less than a step: within 30 s the bridge says what
+        # the trainer holds, counted as TRL's packer counts it, and when it trains as it is.
         first = _chat_group(admin, run, "plain-0")
         tokens = sum(len(s["input_ids"]) for rid in first
                      for s in admin.get(f"/admin/rollouts/{rid}/traces").json()["sequences"])
         assert tokens <= 256, "a group of this test must be less than a step"
-        line, seen = _wait_for_line(log_path, bridge, f"Buffered: 4 samples, {tokens} tokens",
+        line, seen = _wait_for_line(log_path, bridge, "holds a partial micro-batch: 4 samples",
                                     seen, timeout=35)
-        assert "a step needs more than --token-budget 256 tokens" in line
+        held = re.search(r"(\d+) unique tokens and (\d+) loss terms .*--token-budget 256\); "
+                         r"it trains as it is in (\d+) s", line)
+        assert held, line
+        unique, terms, flush_in = map(int, held.groups())
+        # Its numbers do not contradict it: the group shares its prompt, so fewer unique
+        # tokens than raw ones, and all within a row.
+        assert 0 < terms < unique <= tokens <= 256 and flush_in <= 60, line
 
         # The other 28 rollouts: 32 toolless single-call rollouts make two steps.
         for group in range(1, 8):
@@ -599,6 +606,9 @@ def test_plain_chat_rollouts_train_and_a_group_of_side_calls_says_why_it_does_no
     assert code == 0, log_path.read_text()[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["versions"] == [base + 1, base + 3]
+    # It trained every sample it took (the last micro-batch too, once no sample came), and
+    # exited by itself.
+    assert summary["source"]["trained_samples"] == summary["source"]["samples"] == 32
     assert admin.get("/admin/policy").json()["version"] == base + 3
 
     # Every consumed rollout is accounted for, in the database, progress.jsonl and /metrics.
