@@ -23,7 +23,11 @@ every merged sequence of that rollout. After every optimizer step the new weight
 replica and the new policy version to every gateway, so the tokens sampled next carry it.
 Several bridges may share one database: leases give every rollout to exactly one of them.
 
-After a crash, restart with the same flags and --resume: the bridge starts from the newest
+A micro-batch the trainer holds open trains as it is once no new sample came for --flush-after
+seconds, so a finite run trains everything it took; --until-empty ends the run once nothing is
+left to deliver. SIGTERM or Ctrl-C during a step's push lets the push finish first.
+
+After a crash, restart with the same flags and --resume (either weight sync): the bridge starts from the newest
 complete checkpoint in --checkpoint-dir (weights, optimizer, scheduler, step), and the rollouts
 that steps after it logged go back to the queue, so the log says exactly what the weights hold.
 
