@@ -27,9 +27,10 @@ A micro-batch the trainer holds open trains as it is once no new sample came for
 seconds, so a finite run trains everything it took; --until-empty ends the run once nothing is
 left to deliver. SIGTERM or Ctrl-C during a step's push lets the push finish first.
 
-After a crash, restart with the same flags and --resume (either weight sync): the bridge starts from the newest
-complete checkpoint in --checkpoint-dir (weights, optimizer, scheduler, step), and the rollouts
-that steps after it logged go back to the queue, so the log says exactly what the weights hold.
+After a crash, restart with the same flags and --resume (either weight sync): the bridge starts
+from the newest complete checkpoint in --checkpoint-dir (weights, optimizer, scheduler, step),
+and the rollouts that steps after it logged go back to the queue, so the log says exactly what
+the weights hold.
 
 Weight sync:
   disk  write a safetensors checkpoint into --checkpoint-dir (a path every replica can read),

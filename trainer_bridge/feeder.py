@@ -100,7 +100,7 @@ class Feeder:
         self._wake: asyncio.Event | None = None
         self._pool: asyncpg.Pool | None = None
         self._renewed_at = 0.0
-        self.waiting: Callable[[], Waiting] = lambda: Waiting(0, 0, 0, 0, 0)
+        self.waiting: Callable[[], Waiting] = lambda: Waiting(0, 0)
 
     # -- the thread ---------------------------------------------------------------------------
 

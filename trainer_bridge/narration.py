@@ -30,10 +30,7 @@ class Waiting:
     """What the source holds for the trainer, and what it waits for, at one look."""
 
     samples: int  # handed to the trainer, not yet in a logged step
-    tokens: int  # their total length
-    longest: int  # the longest of them
-    rollouts: int
-    groups: int
+    taken: int  # of them, taken off the queue by the trainer (in a micro-batch)
     gathering: int = 0  # groups with finished members that wait for the rest
     gathered: int = 0  # finished rollouts in those groups
     deadline_in_s: float | None = None  # until the first of them is released partial
@@ -144,11 +141,15 @@ class Narrator:
         if not held.samples:
             return "The trainer holds no sample."
         what = (
-            f"The trainer holds a partial micro-batch: {held.samples} samples of {w.rollouts} "
-            f"rollouts in {w.groups} groups, {held.unique_tokens} unique tokens and "
-            f"{held.loss_terms} loss terms as TRL's packer counts them (a row closes when the "
-            f"next sample would take either past --token-budget {self.token_budget})"
+            f"The trainer holds a partial micro-batch: {held.samples} samples, "
+            f"{held.unique_tokens} unique tokens and {held.loss_terms} loss terms as TRL's "
+            f"packer counts them (a row closes when the next sample would take either past "
+            f"--token-budget {self.token_budget})"
         )
+        if w.taken > held.samples:
+            # Accelerate's dispatcher holds the micro-batch before the open one.
+            what += (f", after a full one of {w.taken - held.samples} samples that trains "
+                     "first")
         if w.flush_in_s is None:
             return (f"{what}; it trains once each of the {held.rows} ranks' rows holds a "
                     f"sample ({held.rows_filled} do).")

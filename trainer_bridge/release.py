@@ -163,8 +163,6 @@ class Pending:
     rollout_id: UUID
     idx: int
     versions: np.ndarray
-    group: int = 0  # TRL's group id
-    tokens: int = 0  # the sample's length
     taken: bool = False
     trained: int = 0  # set when the trainer takes it: tokens it trains, and those masked stale
     stale: int = 0
@@ -232,7 +230,7 @@ def build_group(
             sample.model_version -= config.version_offset
             samples.append(sample)
             versions = np.asarray(seq.versions, dtype=np.int64) - config.version_offset
-            pending.append(Pending(member.id, idx, versions, group_id, len(seq.input_ids)))
+            pending.append(Pending(member.id, idx, versions))
     counts["samples"] = len(samples)
     metrics = _group_metrics(members, sequences, drift, transitions, counts)
     return GroupBatch(samples, pending, skipped, metrics, counts)

@@ -184,10 +184,7 @@ class RolloutSource:
         return Waiting(
             trainer_waiting=self.delivery_queue.trainer_waiting,
             samples=len(out),
-            tokens=sum(p.tokens for p in out),
-            longest=max((p.tokens for p in out), default=0),
-            rollouts=len({p.rollout_id for p in out}),
-            groups=len({p.group for p in out}),
+            taken=sum(p.taken for p in out),
             gathering=gathering,
             gathered=gathered,
             deadline_in_s=deadline_in,

@@ -49,7 +49,7 @@ def test_a_useless_group_gets_one_line_per_cause_at_most_every_30_s_with_a_count
 def test_a_run_of_useless_groups_warns_every_30_s():
     lines, clock = [], Clock()
     narrator = _narrator(lines, clock, window=3)
-    idle = Waiting(0, 0, 0, 0, 0)
+    idle = Waiting(0, 0)
     for k in range(3):
         narrator.group_released(f"g{k}", 4, 0, {"zero_advantage": 10})
     lines.clear()
@@ -72,8 +72,8 @@ def test_a_bridge_short_of_a_step_says_what_the_trainer_holds_and_when_it_trains
     lines, clock = [], Clock()
     narrator = _narrator(lines, clock)
     held = Held(samples=4, unique_tokens=61, loss_terms=48, rows_filled=1, rows=1)
-    buffered = Waiting(samples=4, tokens=150, longest=40, rollouts=4, groups=1, gathering=2,
-                       gathered=5, deadline_in_s=540, held=held, flush_in_s=31.4)
+    buffered = Waiting(samples=4, taken=4, gathering=2, gathered=5, deadline_in_s=540,
+                       held=held, flush_in_s=31.4)
     clock.now = 29
     narrator.tick(buffered)
     assert lines == []
@@ -82,9 +82,9 @@ def test_a_bridge_short_of_a_step_says_what_the_trainer_holds_and_when_it_trains
     [line] = lines
     assert line == (
         "rolltap bridge: no optimizer step for 30 s. The trainer holds a partial micro-batch: "
-        "4 samples of 4 rollouts in 1 groups, 61 unique tokens and 48 loss terms as TRL's "
-        "packer counts them (a row closes when the next sample would take either past "
-        "--token-budget 256); it trains as it is in 31 s unless a sample arrives first "
+        "4 samples, 61 unique tokens and 48 loss terms as TRL's packer counts them (a row "
+        "closes when the next sample would take either past --token-budget 256); it trains as "
+        "it is in 31 s unless a sample arrives first "
         "(--flush-after 60). 2 groups wait for their members (5 rollouts finished, "
         "--num-generations 4, the first released at --group-deadline in 540 s).")
     clock.now = 45
@@ -93,16 +93,22 @@ def test_a_bridge_short_of_a_step_says_what_the_trainer_holds_and_when_it_trains
     narrator.tick(buffered)
     assert len(lines) == 1  # a step came 29 s ago
     clock.now = 75
-    narrator.tick(Waiting(0, 0, 0, 0, 0))
+    narrator.tick(Waiting(0, 0))
     assert lines[-1] == ("rolltap bridge: no optimizer step for 30 s. The trainer holds no "
                          "sample. No finished rollout waits: is the runner producing any?")
     clock.now = 200
-    narrator.tick(Waiting(4, 150, 40, 4, 1, trainer_waiting=False))  # a long step runs
+    narrator.tick(Waiting(4, 4, trainer_waiting=False))  # a long step runs
     assert len(lines) == 2
     # Two ranks, one row filled: the micro-batch cannot close, and the line says why.
     clock.now = 300
-    narrator.tick(Waiting(1, 20, 20, 1, 1, held=Held(1, 20, 10, rows_filled=1, rows=2)))
+    narrator.tick(Waiting(1, 1, held=Held(1, 20, 10, rows_filled=1, rows=2)))
     assert lines[-1].endswith("it trains once each of the 2 ranks' rows holds a sample (1 do).")
+    # A full micro-batch waits in accelerate's dispatcher with the open one: said, not mixed in.
+    clock.now = 400
+    narrator.tick(Waiting(22, 22, held=held, flush_in_s=3))
+    assert ("4 samples, 61 unique tokens and 48 loss terms" in lines[-1]
+            and "after a full one of 18 samples that trains first; it trains as it is in 3 s"
+            in lines[-1])
 
 
 def test_a_group_account_sums_its_members_ledgers():

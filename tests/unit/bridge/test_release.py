@@ -1,5 +1,6 @@
 """The bridge's release policy (trainer_bridge/release.py, pure): when a group is released, the
-samples it becomes, and the staleness mask."""
+samples it becomes, and the staleness mask. No hypothesis deadlines: the examples are quick, but a
+loaded machine is not."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.sequences import Seq
@@ -26,6 +27,7 @@ from trainer_bridge.release import (
 from trainer_bridge.samples import ROLLOUT_TOKENS_METRIC
 
 
+@settings(deadline=None)
 @given(
     ready=st.integers(0, 20),
     waited=st.floats(0, 1000),
@@ -50,6 +52,7 @@ def test_release_decision(ready, waited, released, g, deadline, partial):
                                             Release.REDELIVER))
 
 
+@settings(deadline=None)
 @given(st.text(max_size=80), st.text(max_size=80))
 def test_group_number_is_stable_and_fits_62_bits(a, b):
     assert group_number(a) == group_number(a)
@@ -79,6 +82,7 @@ def rollout(draw):
     return member, seqs
 
 
+@settings(deadline=None)
 @given(st.lists(rollout(), min_size=1, max_size=6))
 def test_group_samples_share_their_rollouts_advantage(rollouts):
     members = [m for m, _ in rollouts]
@@ -154,6 +158,7 @@ def test_a_rollout_trains_by_its_trace_mask_so_flagged_calls_stay_out():
     assert np.all(sample.old_log_probs[flagged] == 0)
 
 
+@settings(deadline=None)
 @given(st.integers(0, 8), st.integers(0, 30), st.data())
 def test_stale_tokens_are_masked_and_fresh_ones_kept(max_staleness, trainer_version, data):
     versions = np.array(data.draw(st.lists(st.integers(-1, 30), min_size=1, max_size=40)))
