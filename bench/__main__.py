@@ -7,6 +7,7 @@ A section that fails does not stop the others; the run exits non-zero if any fai
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import sys
 import time
@@ -32,7 +33,11 @@ def short(name: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Runs the sections named in `argv` (e.g. `gateway` for bench_gateway), or all of them."""
+    """Runs the sections named in `argv` (e.g. `gateway` for bench_gateway), or all of them;
+    `--quick`: the sections that can, in a shorter mode."""
+    if "--quick" in argv:  # read by the sections that have a shorter mode (bench_floors)
+        os.environ["ROLLTAP_BENCH_QUICK"] = "1"
+        argv = [a for a in argv if a != "--quick"]
     names = sections()
     if argv:
         wanted = {a.removeprefix("bench_").removesuffix(".py") for a in argv}

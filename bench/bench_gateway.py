@@ -3,7 +3,7 @@ recording on, side by side in one run.
 
 The upstream is the STAND-IN (`bench/standin.py`): real recorded vLLM responses replayed with no
 delay, so whatever the gateway adds is not hidden behind a real engine's token time. Every process
-is separate, as in a deployment: the stand-in, the gateway (`python -m gateway.cli gateway`, real
+is separate, as in a deployment: the stand-in, the gateway (`python -m core.cli gateway`, real
 Postgres in a fresh database dropped afterwards) and the load generator (this module with
 `--loadgen`, an aiohttp client with keep-alive, one rollout per simulated harness).
 
@@ -284,8 +284,8 @@ async def loadgen(spec: LoadSpec) -> LoadResult:
 def stage_cpu_per_call(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """µs per call in each stage between two `stage_cpu` readings; {} if none were measured."""
     calls = after.get("calls", 0.0) - before.get("calls", 0.0)
-    if calls <= 0:
-        return {}
+    if calls <= 0 or not any(v - before.get(k, 0.0) for k, v in after.items() if k != "calls"):
+        return {}  # none measured (a gateway without --cpu-account reads no clock)
     return {k: (v - before[k]) * 1e6 / calls for k, v in after.items() if k != "calls"}
 
 
@@ -375,7 +375,7 @@ class Gateway:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.args = [
-            sys.executable, "-m", "gateway.cli", "gateway", "--upstream", upstream,
+            sys.executable, "-m", "core.cli", "gateway", "--upstream", upstream,
             "--port", str(self.port), "--database-url", dsn, "--admin-key", ADMIN_KEY,
             "--log-level", log_level,
             # The bench drives each rollout far faster than an agent: its CPU is measured here,
@@ -383,11 +383,13 @@ class Gateway:
             "--rollout-max-rps", "1000000", "--rollout-max-inflight", "100000",
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None
+        self.cwd = REPO  # `python -m gateway.cli` runs the checkout here (bench_floors: another)
 
     def start(self, timeout: float = 60) -> Gateway:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.args, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -399,6 +401,12 @@ class Gateway:
             except OSError:
                 time.sleep(0.1)
         raise RuntimeError(f"gateway not up in {timeout} s:\n{self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError(f"{type(self).__name__} not started")
+        return self.proc.pid
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]

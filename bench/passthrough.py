@@ -44,13 +44,24 @@ def build_app(upstream: str) -> web.Application:
             await out.write_eof()
             return out
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="{}", content_type="application/json")
-
     app.cleanup_ctx.append(open_session)
     app.router.add_post("/v1/chat/completions", forward)
     app.router.add_get("/health", health)
     return app
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="{}", content_type="application/json")
+
+
+def serve(app: web.Application, port: int) -> None:
+    """`app` on 127.0.0.1:`port` on uvloop, no access log: as the bench's proxies run."""
+    import uvloop
+
+    web.run_app(
+        app, host="127.0.0.1", port=port, access_log=None, print=None,
+        loop=uvloop.new_event_loop(),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,16 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True)
     args = parser.parse_args(argv)
-    import uvloop
-
-    web.run_app(
-        build_app(args.upstream.rstrip("/")),
-        host="127.0.0.1",
-        port=args.port,
-        access_log=None,
-        print=None,
-        loop=uvloop.new_event_loop(),
-    )
+    serve(build_app(args.upstream.rstrip("/")), args.port)
     return 0
 
 

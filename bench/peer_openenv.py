@@ -145,6 +145,7 @@ class CaptureProxy(Gateway):
             "--capture-level", "tokens", "--host", "127.0.0.1", "--port", str(self.port),
         ]  # fmt: skip
         self.proc = None
+        self.cwd = REPO
 
     def new_session(self) -> str:
         return _call(self.url + "/sessions", {})["session_id"]
@@ -152,12 +153,12 @@ class CaptureProxy(Gateway):
     def session(self, session_id: str, what: str = "") -> dict:
         return _call(f"{self.url}/sessions/{session_id}{what}")
 
-    def collect(self, sessions: list[str]) -> int:
+    def collect(self, sessions: list[str], context: tuple[int, int] = CONTEXT) -> int:
         """Turns recorded in `sessions`, which are then deleted, as a trainer that has taken
         its rollouts would: left in memory, they made every later run dearer. Raises unless
         the last session's export holds what was captured."""
         turns = sum(self.session(s)["n_turns"] for s in sessions)
-        bad = check_export(self.session(sessions[-1], "/rollout"))
+        bad = check_export(self.session(sessions[-1], "/rollout"), context)
         if bad:
             raise RuntimeError(f"OpenEnv's export lacks the capture: {bad}")
         for s in sessions:
@@ -182,16 +183,16 @@ def _row(r: LoadResult) -> Row:
     )
 
 
-def check_export(rollout: dict) -> str | None:
+def check_export(rollout: dict, context: tuple[int, int] = CONTEXT) -> str | None:
     """Why an exported OpenEnv rollout lacks what was captured, or None when every turn holds
     the prompt ids, the sampled ids and one logprob per sampled token."""
     turns = rollout.get("turns") or []
     if not turns:
         return "no turns"
     for t in turns:
-        if t.get("n_prompt") != CONTEXT[0] or t.get("n_sampled") != CONTEXT[1]:
+        if t.get("n_prompt") != context[0] or t.get("n_sampled") != context[1]:
             return f"turn {t.get('index')}: {t.get('n_prompt')} prompt, {t.get('n_sampled')} ids"
-        if len(t.get("sampled_logprobs") or []) != CONTEXT[1]:
+        if len(t.get("sampled_logprobs") or []) != context[1]:
             return f"turn {t.get('index')}: no logprobs"
     return None
 

@@ -26,9 +26,9 @@ import msgspec
 import numpy as np
 
 from bench.bench_gateway import TARGET_POSTGRES_CPU_US
-from bench.recorder_variants import _records, migrated
-from gateway.store import calls as calls_store
-from gateway.store import rollouts as rollouts_store
+from bench.recorder_variants import migrated, records
+from core.store import calls as calls_store
+from core.store import rollouts as rollouts_store
 
 ROUNDS = 7
 ROLLOUTS = 64
@@ -72,7 +72,7 @@ class _Rows:
 
     def take(self, case: Case) -> list[tuple]:
         out = []
-        for r in _records(self._rollouts, case.rows):
+        for r in records(self._rollouts, case.rows):
             if case.prompt_tokens:
                 r = msgspec.structs.replace(
                     r,

@@ -26,10 +26,10 @@ import numpy as np
 import zstandard
 
 from bench.bench_gateway import cpu_times
-from gateway.store import calls as calls_store
-from gateway.store import rollouts as rollouts_store
-from gateway.store.db import init_connection
-from gateway.store.migrations import migrate
+from core.store import calls as calls_store
+from core.store import rollouts as rollouts_store
+from core.store.db import init_connection
+from core.store.migrations import migrate
 
 # The same rows as INSERT, many in one statement: each column an array, unnested in row order.
 # Reply keys are fixed-size digests of varying count per row, and Postgres arrays are
@@ -156,7 +156,7 @@ async def write_copy(conn, batch) -> None:
 VARIANTS = {"executemany": write_executemany, "unnest": write_unnest, "copy": write_copy}
 
 
-def _records(rollouts: list[uuid.UUID], n: int) -> list[calls_store.CallRecord]:
+def records(rollouts: list[uuid.UUID], n: int) -> list[calls_store.CallRecord]:
     rng = np.random.default_rng(0)
     cctx = zstandard.ZstdCompressor(level=3)
     body = cctx.compress(b'{"messages":[' + b'{"role":"user","content":"x"},' * 200 + b"{}]}")
@@ -217,10 +217,10 @@ async def _compare(dsn: str) -> dict:
                 rollouts = [uuid.uuid4() for _ in range(ROLLOUTS)]
                 for rid in rollouts:
                     await rollouts_store.create(conn, rid, os.urandom(16), "bench", None, {}, None)
-                records = _records(rollouts, ROWS)
+                batch_rows = records(rollouts, ROWS)
                 cpu0, t0 = sum(cpu_times(pid)), time.perf_counter()
                 for at in range(0, ROWS, size):
-                    await write(conn, records[at : at + size])
+                    await write(conn, batch_rows[at : at + size])
                 wall, cpu = time.perf_counter() - t0, sum(cpu_times(pid)) - cpu0
                 seqs = await conn.fetch(
                     "SELECT rollout_id, array_agg(seq ORDER BY seq) AS s, count(*) AS n FROM calls"

@@ -30,5 +30,11 @@ def line(request: BaseRequest, response: StreamResponse, seconds: float) -> str:
 
 
 class AccessLogger(AbstractAccessLogger):
+    @property
+    def enabled(self) -> bool:
+        """Read once per connection by aiohttp: above INFO no line is formatted, nor the
+        request's start time taken."""
+        return self.logger.isEnabledFor(logging.INFO)
+
     def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
         self.logger.info(line(request, response, time))

@@ -1,27 +1,20 @@
 """`GatewayConfig`: every knob of `rolltap gateway` declared once, as a dataclass whose fields
 carry their flag's help; its flags and `ROLLTAP_*` variables are generated from the fields
-(gateway/knobs.py says how they are named). Precedence: flag, then variable, then default."""
+(core/knobs.py says how they are named). Precedence: flag, then variable, then default."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway import knobs
-from gateway.knobs import knob
-from gateway.merge.values import MergeOptions
-
-
-def default_data_dir() -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(
-        os.path.expanduser("~"), ".local", "share"
-    )
-    return Path(base) / "rolltap"
+from core import knobs
+from core.knobs import knob
+from core.merge.values import MergeOptions
+from core.paths import default_data_dir
 
 
 def _opt(help: str, metavar: str | None = None, **kwargs: Any) -> dict:
@@ -117,8 +110,18 @@ class GatewayConfig:
         "the served model's directory; the trace viewer (/ui) shows token text decoded with "
         "its tokenizer.json; default: --local-template", "MODEL_DIR", type=Path,
         show_default=False))
+    run_metrics: list[str] = field(default_factory=list, metadata=_opt(
+        "a Prometheus endpoint of the run's other processes, e.g. the runner's (`rolltap "
+        "rollouts --metrics-port 9101`: http://127.0.0.1:9101/metrics); the viewer's run page "
+        "(/ui#/run) plots its rolltap_runner_*, rolltap_trainer_*, rolltap_pool_* and "
+        "rolltap_engine_* series next to the gateway's own; repeatable (env "
+        "ROLLTAP_RUN_METRICS, comma separated)", "URL", env_in_help=True, action="append"))
     record_bodies: bool = field(default=True, metadata=_opt(
         "do not keep compressed request/response bodies (token records are always kept)"))
+    cpu_account: bool = field(default=False, metadata=_opt(
+        "charge every part of the process's CPU on /metrics (rolltap_stage_cpu_seconds): each "
+        "task's steps metered, a call's stages with the CPU inside what they await, and the "
+        "server, client, commit writer and loop apart; costs two clock reads per task step"))
     access_log: bool = field(default=True, metadata=_opt(
         "do not log one line per HTTP call (method, route, status, latency, rollout, request "
         "id)"))
@@ -216,9 +219,17 @@ class GatewayConfig:
         if self.continuation not in ("exact", "render"):
             raise ValueError(f"continuation must be exact or render, not {self.continuation!r}")
         self.upstreams = [u.rstrip("/") for u in self.upstreams]
+        _check_run_metrics(self.run_metrics)
         if not self.public_url:
             self.public_url = f"http://{self.host}:{self.port}"
         self.public_url = self.public_url.rstrip("/")
+
+
+def _check_run_metrics(urls: list[str]) -> None:
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--run-metrics {url!r}: give an http(s) URL, e.g. "
+                             "http://127.0.0.1:9101/metrics")
 
 
 def _flag_of(name: str) -> str:

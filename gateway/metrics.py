@@ -22,9 +22,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from core.store.calls import CallRecord
+from core.store.ledger import CAUSES as LEDGER_CAUSES
 from gateway.stage_cpu import StageCpu
-from gateway.store.calls import CallRecord
-from gateway.store.ledger import CAUSES as LEDGER_CAUSES
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
@@ -76,7 +76,7 @@ class _StageCpu(Collector):
             "the gateway's own CPU in each stage of its model calls (gateway.stage_cpu)",
             labels=["stage"],
         )
-        for stage, ns in self._cpu.ns.items():
+        for stage, ns in self._cpu.account().items():
             seconds.add_metric([stage], ns / 1e9)
         calls = CounterMetricFamily("rolltap_stage_cpu_calls", "model calls the stages measured")
         calls.add_metric([], self._cpu.calls)

@@ -37,12 +37,12 @@ def register(subparsers) -> None:
 async def _serve(cfg) -> None:
     from aiohttp import web
 
+    from core.store.db import open_pool, start_embedded
+    from core.store.migrations import SchemaTooNew
     from gateway import access_log
     from gateway.app import build_app
-    from gateway.app_keys import ADMISSION
+    from gateway.app_keys import ADMISSION, PIPELINE
     from gateway.runtime import Runtime
-    from gateway.store.db import open_pool, start_embedded
-    from gateway.store.migrations import SchemaTooNew
 
     dsn = cfg.database_url
     if dsn is None:
@@ -66,6 +66,8 @@ async def _serve(cfg) -> None:
             "--database-url (or drop it to use the embedded Postgres)."
         ) from exc
     app = build_app(Runtime(cfg, pool))
+    if cfg.cpu_account:
+        app[PIPELINE].cpu.meter_tasks(asyncio.get_running_loop())
     # keepalive_timeout bounds a connection's wait for a complete request head, from its first
     # byte and between keep-alive requests: slow-header and idle connections are closed. After
     # an answer that left the body unread (a 408 for a trickling body), the rest is drained for

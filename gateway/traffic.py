@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 import time
-import uuid
 
 from aiohttp import web
 
@@ -25,7 +25,9 @@ async def observe(request: web.Request, handler):
     """Outermost: ids every request and counts it once its response is decided."""
     rid = request.headers.get(REQUEST_ID_HEADER, "")
     if not _VALID_ID.fullmatch(rid):
-        rid = uuid.uuid4().hex
+        # 32 random hex digits, as uuid4().hex spelled them, without building a UUID (8 µs
+        # on the bench's busy VMs, where reading the 16 bytes took 1.5)
+        rid = secrets.token_hex(16)
     request[REQUEST_ID] = rid
     token = request_id.set(rid)
     started = time.perf_counter()

@@ -174,6 +174,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="Ray cluster to join (e.g. auto); default: start a local Ray")
     sb.add_argument("--ray-cpus-per-sandbox", type=float, default=1.0, metavar="N",
                     help="CPUs Ray reserves per sandbox (default 1)")
+    from sandbox.backends.ray import ray_resource
+
+    sb.add_argument("--ray-resource", action="append", default=[], metavar="NAME=N",
+                    type=ray_resource,
+                    help="a custom Ray resource each sandbox reserves, e.g. sandbox=1 with "
+                         "nodes started as `ray start --resources '{\"sandbox\": 8}'` "
+                         "(repeatable)")
     from sandbox.harbor.cli import add_arguments
 
     add_arguments(p)
@@ -237,7 +244,7 @@ def build_backend(args: argparse.Namespace):
         from sandbox.backends.ray import RayBackend
 
         return RayBackend(address=args.ray_address, num_cpus=args.ray_cpus_per_sandbox,
-                          **local_options)
+                          resources=dict(args.ray_resource), **local_options)
     from sandbox.backends.local import LocalBackend
 
     return LocalBackend(**local_options)

@@ -31,9 +31,9 @@ from uuid import UUID
 import asyncpg
 import msgspec
 
-from gateway.store.conn import Conn
-from gateway.store.ledger import account
-from gateway.store.traces import StoredTrace
+from core.store.conn import Conn
+from core.store.ledger import account
+from core.store.traces import StoredTrace
 from trainer_bridge.release import Entry, Member, Outcome, PendingGroup
 
 __all__ = ["Entry", "LeaseLost", "TRANSIENT"]
@@ -267,7 +267,7 @@ async def _consume_complete(conn: Conn, owner: str, rollout_ids: list[UUID]) -> 
 
 
 async def _write_ledgers(conn: Conn, consumed: Sequence, *, dropped: bool) -> None:
-    """Each consumed rollout's ledger (gateway/store/ledger.py), from its merge and its log."""
+    """Each consumed rollout's ledger (core/store/ledger.py), from its merge and its log."""
     if not consumed:
         return
     logged = defaultdict(list)

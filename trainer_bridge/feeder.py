@@ -25,9 +25,9 @@ from uuid import UUID
 import asyncpg
 import numpy as np
 
-from gateway.store.conn import Conn
-from gateway.store.db import open_pool
-from gateway.store.traces import FINISHED_CHANNEL
+from core.store.conn import Conn
+from core.store.db import open_pool
+from core.store.traces import FINISHED_CHANNEL
 from trainer_bridge import deliveries
 from trainer_bridge.faults import crash_point
 from trainer_bridge.handover import DeliveryQueue

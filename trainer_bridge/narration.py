@@ -20,7 +20,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gateway.store.ledger import FLAGS, account
+from core.store.ledger import FLAGS, account
 from trainer_bridge.handover import Held
 from trainer_bridge.release import Member
 

@@ -45,7 +45,7 @@ from uuid import UUID
 import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from gateway.store.conn import Conn
+from core.store.conn import Conn
 from trainer_bridge import deliveries
 from trainer_bridge.feeder import Feeder
 from trainer_bridge.handover import DeliveryQueue, OpenBatch
@@ -67,7 +67,7 @@ class RolloutSource:
     suffix, so a restarted bridge never mistakes a dead one's leases for its own). `decode`
     turns token ids into text for TRL's sample logs. `stats` counts what was delivered and put
     aside, for summaries; `consumed` sums the ledgers of the rollouts this bridge consumed
-    (gateway/store/ledger.py). `say` prints what the bridge waits for and why what it consumed
+    (core/store/ledger.py). `say` prints what the bridge waits for and why what it consumed
     trained nothing (trainer_bridge/narration.py).
     """
 

@@ -24,7 +24,7 @@ import asyncpg
 import httpx
 import torch
 
-from gateway.store import rollouts as rollouts_store
+from core.store import rollouts as rollouts_store
 from trainer_bridge.faults import crash_point
 from trainer_bridge.replies import attempt, ok
 

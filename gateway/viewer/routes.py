@@ -17,21 +17,21 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
+from core.store import calls as calls_store
+from core.store import listing
+from core.store import rollouts as rollouts_store
+from core.store import traces as traces_store
+from core.store.ledger import rollout_reason
 from gateway.app_keys import CONFIG, POOL
 from gateway.protocols.errors import GatewayError
 from gateway.ratelimit import TokenBuckets
-from gateway.store import calls as calls_store
-from gateway.store import listing
-from gateway.store import rollouts as rollouts_store
-from gateway.store import traces as traces_store
-from gateway.store.ledger import rollout_reason
-from gateway.viewer import session, vocab
+from gateway.viewer import metric_history, run_data, session, vocab
 
 routes = web.RouteTableDef()
 
 _STATIC = importlib.resources.files("gateway.viewer") / "static"
 _TYPES = {".html": "text/html", ".css": "text/css", ".js": "text/javascript"}
-_ASSETS = ("viewer.css", "viewer.js")
+_ASSETS = ("viewer.css", "viewer.js", "run.js")
 _HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
     "connect-src 'self'; img-src 'self'; form-action 'self'; base-uri 'none'; "
@@ -49,6 +49,7 @@ LOGIN_FAILURES = web.AppKey("login_failures", TokenBuckets)
 
 def install(app: web.Application) -> None:
     app[LOGIN_FAILURES] = TokenBuckets(rate=1 / 12, burst=5)
+    metric_history.install(app)
     app.router.add_routes(routes)
 
 
@@ -179,6 +180,19 @@ async def list_rollouts(request: web.Request) -> web.Response:
     async with app[POOL].acquire() as conn:
         rows, nxt = await listing.page(conn, filt, after, limit)
     return _json({"rollouts": rows, "next": nxt})
+
+
+@routes.get("/ui/api/run")
+async def run_view(request: web.Request) -> web.Response:
+    """The run page's series: one run's (`?run=RUN_ID`), or the newest rollouts' of any run."""
+    app = _authorised(request)
+    run_id = request.query.get("run", "").strip() or None
+    async with app[POOL].acquire() as conn:
+        rows = await run_data.recent_rollouts(conn, run_id)
+        runs = await run_data.recent_runs(conn)
+    history = app[metric_history.HISTORY]
+    view = run_data.run_view(rows, runs, run_id, history.series())
+    return _json({**view, "unreachable": history.unreachable, "now": time.time()})
 
 
 def _sequence(trace: traces_store.StoredTrace, calls: dict[str, dict]) -> dict:

@@ -6,20 +6,51 @@ gateway URLs in the request must be reachable from the nodes. The admin key is n
 request. Cancelling `run` cancels the Ray task, which interrupts the worker's event loop and so
 kills the sandbox's processes like a local cancellation does.
 
+Placement: tasks are SPREAD over the cluster's nodes (Ray's default packs a node before using
+the next), and a sandbox may reserve custom resources besides CPUs, so each node's own count
+of them (`ray start --resources '{"sandbox": 8}'`) bounds how many run there. The node a
+sandbox ran on is in its result's metrics (`ray_node`).
+
+A node that dies takes its sandboxes with it (bwrap's --die-with-parent ends them with their
+Ray worker). Ray does not retry the task (a second run would put a second rollout into the
+group); `run` raises, and the runner finishes the rollout as failed with no reward
+(unscorable) and counts it among the run's errors.
+
 Needs the `ray` extra (`pip install 'rolltap[ray]'`); imported only when this backend is used.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from typing import Any
+
+import msgspec
 
 from sandbox.backends.base import SandboxRequest, SandboxResult
 from sandbox.backends.local import LocalBackend
 
 
+def ray_resource(spec: str) -> tuple[str, float]:
+    """`--ray-resource NAME=AMOUNT`: a custom resource and how much of it a sandbox reserves."""
+    name, _, amount = spec.partition("=")
+    try:
+        value = float(amount)
+    except ValueError:
+        value = -1.0
+    if not name.strip() or not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{spec!r}: write NAME=AMOUNT with AMOUNT > 0, e.g. sandbox=1")
+    return name.strip(), value
+
+
 def run_in_worker(request: SandboxRequest, local_options: dict[str, Any]) -> SandboxResult:
-    return asyncio.run(LocalBackend(**local_options).run(request))
+    import ray
+
+    result = asyncio.run(LocalBackend(**local_options).run(request))
+    node = ray.get_runtime_context().get_node_id()
+    return msgspec.structs.replace(result, extra_metrics={**result.extra_metrics,
+                                                          "ray_node": node})
 
 
 class RayBackend:
@@ -28,19 +59,24 @@ class RayBackend:
         *,
         address: str | None = None,
         num_cpus: float = 1.0,
+        resources: dict[str, float] | None = None,
         init_options: dict[str, Any] | None = None,
         **local_options: Any,
     ) -> None:
         """`address`: a running cluster ("auto", "ray://host:10001"); None starts a local Ray
         unless one is initialised already. `num_cpus`: CPUs a sandbox reserves, which bounds
-        how many run per node. `local_options`: passed to LocalBackend on the node."""
+        how many run per node; `resources`: custom resources it reserves too. `local_options`:
+        passed to LocalBackend on the node."""
         import ray
 
         self._ray = ray
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=address, **(init_options or {}))
-        self._remote = ray.remote(num_cpus=num_cpus, max_retries=0)(run_in_worker)
+        self._remote = ray.remote(
+            num_cpus=num_cpus, resources=resources or {}, max_retries=0,
+            scheduling_strategy="SPREAD",
+        )(run_in_worker)
         self._local_options = local_options
 
     async def run(self, request: SandboxRequest) -> SandboxResult:

@@ -5,33 +5,73 @@ tiny vLLM: login, filters, a rollout page whose token colours match /traces, a r
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import uuid
 
+import asyncpg
 import httpx
 import openai
 import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess
+from core.store.db import init_connection
+from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
 from tests.support.postgres import fresh_database
 from tests.support.vllm import PICK_COLOR_TOOL, load_tiny_tokenizer
+from trainer_bridge import deliveries
 
 HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 
 
 @pytest.fixture(scope="module")
-def viewer_gateway(vllm_server, tmp_path_factory):
+def viewer_dsn():
     dsn, drop = fresh_database("rolltap_viewer")
+    yield dsn
+    drop()
+
+
+class StandInRunnerMetrics:
+    """STAND-IN for `rolltap rollouts --metrics-port` (the runner's own /metrics): its pool
+    series under the runner's names, served by prometheus_client, moved by the test's run."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.waiting = Gauge("rolltap_runner_pool_waiting", "phases queued for a slot", ["pool"],
+                             registry=self.registry)
+        self.waited = Counter("rolltap_runner_pool_queue_wait_seconds",
+                              "time phases queued for a slot", ["pool"], registry=self.registry)
+        self.port = free_port()
+        self.server, self.thread = start_http_server(self.port, "127.0.0.1", self.registry)
+        self.url = f"http://127.0.0.1:{self.port}/metrics"
+
+    def group_done(self, k: int) -> None:
+        self.waiting.labels("verify").set(k % 3)
+        self.waited.labels("verify").inc(0.5 * (k % 4))
+
+
+@pytest.fixture(scope="module")
+def runner_metrics():
+    m = StandInRunnerMetrics()
+    yield m
+    m.server.shutdown()
+    m.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def viewer_gateway(vllm_server, viewer_dsn, runner_metrics, tmp_path_factory):
+    dsn = viewer_dsn
     # The conversations offer a strict tool, which makes their calls constrained: trained (and
     # stamped with the policy version) only under --train-constrained.
     gw = GatewayProcess([vllm_server.url], dsn, "--tokenizer", str(vllm_server.model_dir),
-                        "--train-constrained",
+                        "--train-constrained", "--run-metrics", runner_metrics.url,
                         log_path=tmp_path_factory.mktemp("viewer") / "gateway.log").start()
     yield gw
     gw.stop()
-    drop()
 
 
 def _chat(rollout: dict, model: str, messages: list[dict]) -> dict:
@@ -225,9 +265,121 @@ def test_list_pages_without_repeats_and_filters_by_reward(viewer_gateway, record
         assert r.status_code == 400 and r.json()["error"]["message"], bad
 
 
+async def _book_as_trained(dsn: str, run_id: str, group_id: str, step: int) -> None:
+    """STAND-IN for a trainer (no model trains): one group goes through the bridge's own
+    delivery log (trainer_bridge/deliveries.py) as if optimizer step `step` trained it, which
+    gives its rollouts a ledger and a consumption time, as a bridge would."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await init_connection(conn)
+        owner = f"stand-in-trainer-{run_id}"
+        rows = await deliveries.claim_group(conn, owner, group_id, {"run_id": run_id}, 60)
+        assert rows, f"group {group_id} was not deliverable"
+        ids = [r["id"] for r in rows]
+        await deliveries.release_group(conn, owner, dict.fromkeys(ids, 1.0), [], [])
+        traces = await deliveries.undelivered_traces(conn, ids)
+        await deliveries.acknowledge(conn, owner, step, [
+            deliveries.Entry(rid, idx, "trained", int(t.loss_mask.sum()), 0)
+            for rid, found in traces.items() for idx, t in found])
+    finally:
+        await conn.close()
+
+
+class LiveRun:
+    """A run going on while the page is open: groups of two rollouts on two tasks, one call to
+    the tiny vLLM each, rewards that differ, the policy version moved after each group, and each
+    group taken by a stand-in trainer once the next one has ended."""
+
+    def __init__(self, gw, dsn: str, model: str, metrics: StandInRunnerMetrics) -> None:
+        self.gw, self.dsn, self.model, self.metrics = gw, dsn, model, metrics
+        self.run_id = f"live-{uuid.uuid4().hex[:8]}"
+        self.rollouts: list[str] = []
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._produce, daemon=True)
+
+    def _produce(self) -> None:
+        try:
+            for k in range(10_000):
+                if self.stop.is_set():
+                    return
+                for member in range(2):
+                    r = self.gw.new_rollout(task_id=f"live-task-{k % 2}",
+                                            group_id=f"{self.run_id}-{k}",
+                                            metadata={"run_id": self.run_id})
+                    _chat(r, self.model, [{"role": "user", "content": f"Count to {k + member}."}])
+                    assert self.gw.finish(r["rollout_id"], (k + member) % 3 / 2).status_code == 200
+                    self.rollouts.append(r["rollout_id"])
+                version = self.gw.admin.get("/admin/policy").json()["version"]
+                assert self.gw.admin.post("/admin/policy",
+                                          json={"version": version + 1}).status_code == 200
+                self.metrics.group_done(k)
+                if k:
+                    asyncio.run(_book_as_trained(self.dsn, self.run_id, f"{self.run_id}-{k - 1}",
+                                                 k))
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            self.error = exc
+
+    def __enter__(self) -> LiveRun:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(300)
+
+
+def _points(drv, chart: str) -> int:
+    return drv.execute_script(
+        "const c = document.getElementById(arguments[0]); return c ? +c.dataset.points : -1", chart)
+
+
+def test_run_page_draws_a_live_run(browser, viewer_gateway, viewer_dsn, runner_metrics,
+                                   vllm_server, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    gw = viewer_gateway
+    _login(browser, gw.url, ADMIN_KEY)
+    _wait(browser, "return document.body.dataset.ready")
+    with LiveRun(gw, viewer_dsn, vllm_server.model, runner_metrics) as run:
+        # The run shows up in the page's run picker once it has a rollout.
+        browser.find_element(By.ID, "run-link").click()
+        _wait(browser, "return document.getElementById('run-select')")
+        _wait(browser, f"return [...document.querySelectorAll('#run-select option')]"
+                       f".some(o => o.value === '{run.run_id}')", timeout=300)
+        browser.execute_script(f"location.hash = '#/run?run={run.run_id}'")
+        charts = ("chart-reward", "chart-tokens", "chart-staleness", "chart-policy",
+                  "chart-pool-queued", "chart-pool-wait")
+        _wait(browser, "return " + " && ".join(
+            f"+(document.getElementById('{c}') || {{dataset: {{}}}}).dataset.points > 0"
+            for c in charts), timeout=300)
+        before = {c: _points(browser, c) for c in charts}
+        # New points arrive by polling, with no reload: the page's own state survives.
+        browser.execute_script("window.__same_page = 1")
+        _wait(browser, "return " + " && ".join(
+            f"+document.getElementById('{c}').dataset.points > {before[c]}" for c in charts),
+              timeout=600)
+        assert browser.execute_script("return window.__same_page") == 1
+        assert run.error is None, run.error
+    assert run.error is None, run.error
+    tasks = browser.find_element(By.ID, "task-rewards").text
+    assert "live-task-0" in tasks and "live-task-1" in tasks
+    totals = browser.find_element(By.ID, "token-totals").text
+    assert "trained" in totals and "awaiting trainer" in totals  # taken, and not yet taken
+    browser.save_screenshot(str(tmp_path / "run.png"))
+    assert (tmp_path / "run.png").stat().st_size > 10_000
+
+    # The rollout page shows the merge's dicts as tables, not JSON text.
+    browser.get(f"{gw.url}/ui#/rollout/{run.rollouts[0]}")
+    _wait(browser, "return document.querySelector('#merge-stats table.dict')")
+    causes = browser.find_elements(
+        By.CSS_SELECTOR, "#merge-stats dd[data-key='excluded_by_cause'] table.dict tr[data-key]")
+    assert causes and "{" not in browser.find_element(By.ID, "merge-stats").text
+
+
 def _inspect(gw, *args: str) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "inspect", "--gateway", gw.url, *args],
+        [sys.executable, "-m", "core.cli", "inspect", "--gateway", gw.url, *args],
         cwd=REPO, capture_output=True, text=True, timeout=60,
         env={**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY})
     assert result.returncode == 0, result.stderr
@@ -253,6 +405,6 @@ def test_inspect_prints_the_same_information(viewer_gateway, recorded):
     assert "trained nothing: no call of this rollout sampled a token" in hostile.splitlines()
     assert "trained nothing" not in shown
     denied = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "inspect", "--gateway", gw.url,
+        [sys.executable, "-m", "core.cli", "inspect", "--gateway", gw.url,
          "--admin-key", "rt-not-admin", "list"], capture_output=True, text=True, timeout=60)
     assert denied.returncode != 0 and "403" in denied.stderr

@@ -9,7 +9,7 @@ import uuid
 
 from gateway import response_chain
 from gateway.metrics import Metrics
-from gateway.stage_cpu import STAGES, StageCpu
+from gateway.stage_cpu import ACCOUNT, STAGES, StageCpu
 
 STATES = {
     "r3": {"items": ["e", "f"], "previous_response_id": "r2"},
@@ -41,7 +41,7 @@ def _spin(seconds: float) -> None:
 
 
 def test_the_clock_charges_work_to_its_stage_and_waiting_to_nobody():
-    cpu = StageCpu()
+    cpu = StageCpu(on=True)
 
     async def call():
         clock = cpu.clock()
@@ -56,6 +56,57 @@ def test_the_clock_charges_work_to_its_stage_and_waiting_to_nobody():
     assert cpu.ns["parse"] >= 20_000_000
     assert cpu.ns["plan"] < 10_000_000
     assert 10_000_000 <= cpu.ns["respond"] < 100_000_000
+
+
+def test_metered_the_clock_charges_the_work_inside_an_await_and_not_other_tasks():
+    cpu = StageCpu()
+    other_done = asyncio.Event()
+
+    async def engine_send():
+        _spin(0.03)  # the call's own work inside an awaited coroutine
+        await asyncio.sleep(0)
+        _spin(0.03)
+        await other_done.wait()
+
+    async def other():
+        _spin(0.1)  # another task's work while the call waits
+        other_done.set()
+
+    async def call():
+        clock = cpu.clock()
+        await clock.wait("engine", engine_send())
+        clock.lap("respond")
+
+    async def main():
+        cpu.meter_tasks(asyncio.get_running_loop())
+        await asyncio.gather(asyncio.create_task(call()), asyncio.create_task(other()))
+
+    asyncio.run(main())
+    parts = cpu.account()
+    assert 60_000_000 <= parts["engine"] < 100_000_000  # its own 60 ms, not the other's 100
+    # The two tasks are "tasks" (not aiohttp's, not the recorder's); the stages are charged
+    # inside server tasks only, so here they count against that part.
+    assert parts["tasks"] >= 160_000_000
+    assert set(parts) == {*STAGES, *ACCOUNT}
+
+
+def test_unmetered_the_account_is_the_stages_alone():
+    cpu = StageCpu()
+    assert set(cpu.account()) == set(STAGES)
+
+
+def test_without_the_account_the_clock_charges_nothing_and_awaits_what_it_is_given():
+    cpu = StageCpu()
+
+    async def call():
+        clock = cpu.clock()
+        _spin(0.01)
+        clock.lap("parse")
+        return await clock.wait("engine", asyncio.sleep(0, "answer"))
+
+    assert asyncio.run(call()) == "answer"
+    assert cpu.calls == 1
+    assert all(ns == 0 for ns in cpu.account().values())
 
 
 def test_the_stages_are_exposed_to_prometheus():

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from core.merge.values import MergeOptions
 from gateway import config
-from gateway.merge.values import MergeOptions
 
 # flag, its default once parsed, metavar, choices, help as `--help` prints it.
 FLAGS = [
@@ -66,6 +66,11 @@ FLAGS = [
     ('--no-record-bodies', False, None, None,
      'do not keep compressed request/response bodies (token records are always kept) (env '
      'ROLLTAP_RECORD_BODIES=0)'),
+    ('--cpu-account', False, None, None,
+     "charge every part of the process's CPU on /metrics (rolltap_stage_cpu_seconds): each "
+     "task's steps metered, a call's stages with the CPU inside what they await, and the "
+     "server, client, commit writer and loop apart; costs two clock reads per task step (env "
+     "ROLLTAP_CPU_ACCOUNT=1)"),
     ('--no-access-log', False, None, None,
      'do not log one line per HTTP call (method, route, status, latency, rollout, request '
      'id) (env ROLLTAP_ACCESS_LOG=0)'),

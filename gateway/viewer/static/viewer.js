@@ -109,11 +109,41 @@ async function showList(app) {
 
 // ---- one rollout ---------------------------------------------------------------------------
 
+function scalar(v) {
+  return v === null || typeof v !== "object";
+}
+
+function scalarText(v) {
+  return typeof v === "string" ? v : JSON.stringify(v);
+}
+
+// A recorded value: a dict as a table of its keys (nested ones too), a list of dicts as a table
+// with a column per key, a list of scalars as one line, a scalar as itself.
+function valueNode(v) {
+  if (scalar(v)) return el("span", { class: "val", text: scalarText(v) });
+  if (Array.isArray(v)) {
+    if (v.every(scalar)) {
+      return el("span", { class: "val", text: v.map(scalarText).join(", ") || "[]" });
+    }
+    if (v.every((x) => !scalar(x) && !Array.isArray(x))) {
+      const keys = [...new Set(v.flatMap(Object.keys))];
+      return el("table", { class: "dict" },
+        el("thead", {}, el("tr", {}, ...keys.map((k) => el("th", { text: k })))),
+        el("tbody", {}, ...v.map((row) => el("tr", {}, ...keys.map((k) =>
+          el("td", {}, k in row ? valueNode(row[k]) : "–"))))));
+    }
+    return el("span", { class: "val", text: JSON.stringify(v) });
+  }
+  const keys = Object.keys(v);
+  if (!keys.length) return el("span", { class: "val muted", text: "none" });
+  return el("table", { class: "dict" }, el("tbody", {}, ...keys.map((k) =>
+    el("tr", { "data-key": k }, el("th", { text: k }), el("td", {}, valueNode(v[k]))))));
+}
+
 function kv(obj) {
   const dl = el("dl", { class: "kv" });
   for (const [k, v] of Object.entries(obj || {})) {
-    dl.append(el("dt", { text: k }),
-      el("dd", { text: typeof v === "string" ? v : JSON.stringify(v, null, 1) }));
+    dl.append(el("dt", { text: k }), el("dd", { "data-key": k }, valueNode(v)));
   }
   return dl;
 }
@@ -340,7 +370,8 @@ async function showRollout(app, id) {
       : el("p", { class: "muted", id: "verifier", text: "none recorded" }),
     el("h2", { text: "Merge" }),
     r.trained_nothing ? el("p", { id: "trained-nothing", text: r.trained_nothing }) : "",
-    r.merge_stats ? kv(r.merge_stats) : el("p", { class: "muted", text: "not merged" }),
+    r.merge_stats ? el("div", { id: "merge-stats" }, kv(r.merge_stats))
+      : el("p", { class: "muted", text: "not merged" }),
     r.ledger ? el("div", { id: "ledger" }, el("h3", { text: "Given to the trainer" }),
       kv({ trained_tokens: r.ledger.trained_tokens, ...r.ledger.excluded_tokens })) : "",
     el("h2", { text: "Calls" }), timeline(data.calls),
@@ -351,8 +382,11 @@ async function showRollout(app, id) {
 async function route() {
   const app = document.getElementById("app");
   const m = location.hash.match(/^#\/rollout\/([0-9a-fA-F-]+)/);
+  const run = location.hash.match(/^#\/run(?:\?(.*))?$/);
+  stopRun();  // run.js: the run page polls only while it is shown
   try {
     if (m) await showRollout(app, m[1]);
+    else if (run) await showRun(app, run[1] || "");
     else await showList(app);
     document.body.dataset.ready = location.hash || "#/";
   } catch (err) {

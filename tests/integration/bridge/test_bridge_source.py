@@ -21,15 +21,15 @@ import asyncpg
 import numpy as np
 import pytest
 
-from gateway.store.db import open_pool
-from gateway.store.tokens import IDS, LOGPROBS
+from core.store.db import open_pool
+from core.store.tokens import IDS, LOGPROBS
+from stack.toy_task import ToyTask
 from tests.support.gateway import ADMIN_KEY
 from tests.support.postgres import fresh_database
 from tests.support.sequences import Seq
 from trainer_bridge import deliveries
 from trainer_bridge.release import SourceConfig, group_number
 from trainer_bridge.source import RolloutSource
-from trainer_bridge.toy_task import ToyTask
 from trainer_bridge.worker import DELIVERY_KEY
 
 # -- leases on Postgres (rows written directly: these tests are about the lease logic) -------

@@ -26,12 +26,12 @@ import pytest
 
 from sandbox.presets import Harness, side_calls_for
 from sandbox.state import StateFile
+from stack.serve_model import start_vllm
 from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
 from tests.support.harbor import needs_harbor
 from tests.support.vllm import TINY_MODEL_NAME
 from trainer_bridge.checkpoints import untie_embeddings
 from trainer_bridge.config import match_arg
-from trainer_bridge.serve_model import start_vllm
 
 TASK = REPO / "tests" / "harbor_training" / "alphabet"
 AGENT = "tests.agents.harbor_answer_agent:AnswerAgent"

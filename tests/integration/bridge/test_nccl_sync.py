@@ -25,11 +25,11 @@ from safetensors.torch import load_file  # noqa: E402
 from trl.experimental.async_grpo.vllm_client import VLLMClient  # noqa: E402
 from trl.experimental.async_grpo.weight_transfer import WeightTransferClient  # noqa: E402
 
+from stack.tiny_model import write_tiny_model  # noqa: E402
 from tests.support.delivery_worker import ListDeliveryWorker, synthetic_samples  # noqa: E402
 from trainer_bridge import resume  # noqa: E402
 from trainer_bridge.config import BridgeConfig  # noqa: E402
 from trainer_bridge.resume import StateWriter  # noqa: E402
-from trainer_bridge.tiny_model import write_tiny_model  # noqa: E402
 from trainer_bridge.trainer import make_trainer  # noqa: E402
 from trainer_bridge.weights import NcclWeightSync, StateCheckpoints  # noqa: E402
 

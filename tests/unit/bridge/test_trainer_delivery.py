@@ -10,9 +10,9 @@ import signal
 import huggingface_hub.constants
 import pytest
 
+from stack.tiny_model import write_tiny_model
 from tests.support.delivery_worker import ListDeliveryWorker, synthetic_samples
 from trainer_bridge.config import BridgeConfig
-from trainer_bridge.tiny_model import write_tiny_model
 from trainer_bridge.trainer import make_trainer
 from trainer_bridge.worker import DeliveryWorker
 
