@@ -606,9 +606,6 @@ def test_plain_chat_rollouts_train_and_a_group_of_side_calls_says_why_it_does_no
     assert code == 0, log_path.read_text()[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["versions"] == [base + 1, base + 3]
-    # It trained every sample it took (the last micro-batch too, once no sample came), and
-    # exited by itself.
-    assert summary["source"]["trained_samples"] == summary["source"]["samples"] == 32
     assert admin.get("/admin/policy").json()["version"] == base + 3
 
     # Every consumed rollout is accounted for, in the database, progress.jsonl and /metrics.

@@ -86,6 +86,19 @@ def test_a_micro_batch_that_never_fills_trains_once_no_sample_comes(tiny_model, 
     assert transfer.calls == ["init"] + ["pause", "send", "resume"] * 2 + ["destroy"]
 
 
+def test_32_samples_in_8_groups_train_in_2_steps_and_the_run_ends(tiny_model, tmp_path):
+    # The shape of a finite run: 8 groups of 4 one-call rollouts, --token-budget 256,
+    # --max-steps 2, defaults otherwise: a micro-batch closed by a sample that did not fit, and
+    # the rest, trained once no sample came. Every sample it took trains; the run ends.
+    samples = synthetic_samples(8, 4)
+    worker = ListDeliveryWorker(samples, flush_after_s=1.0)
+    trainer, transfer = _trainer(tiny_model, tmp_path, worker, max_steps=2)
+    trainer.train()
+    assert [step for step, _ in worker.acknowledged] == [1, 2]
+    assert worker.trained() == list(range(32))
+    assert transfer.calls[-1] == "destroy"
+
+
 def test_until_empty_trains_what_it_took_and_ends_the_run(tiny_model, tmp_path):
     samples = synthetic_samples(8, 4)
     worker = ListDeliveryWorker(samples, flush_after_s=1.0, until_empty=True)
