@@ -116,7 +116,7 @@ class DeliveryQueue(queue.Queue[RolloutSample]):
                     raw = super().get(block, _sooner(left, flush_in))
                 except queue.Empty:
                     self._raise_if_due()
-                    if deadline is not None and time.monotonic() >= deadline:
+                    if not block or (deadline is not None and time.monotonic() >= deadline):
                         raise
                     continue
                 self.open_batch.arrived()
