@@ -23,9 +23,14 @@ every merged sequence of that rollout. After every optimizer step the new weight
 replica and the new policy version to every gateway, so the tokens sampled next carry it.
 Several bridges may share one database: leases give every rollout to exactly one of them.
 
-After a crash, restart with the same flags and --resume: the bridge starts from the newest
-complete checkpoint in --checkpoint-dir (weights, optimizer, scheduler, step), and the rollouts
-that steps after it logged go back to the queue, so the log says exactly what the weights hold.
+A micro-batch the trainer holds open trains as it is once no new sample came for --flush-after
+seconds, so a finite run trains everything it took; --until-empty ends the run once nothing is
+left to deliver. SIGTERM or Ctrl-C during a step's push lets the push finish first.
+
+After a crash, restart with the same flags and --resume (either weight sync): the bridge starts
+from the newest complete checkpoint in --checkpoint-dir (weights, optimizer, scheduler, step),
+and the rollouts that steps after it logged go back to the queue, so the log says exactly what
+the weights hold.
 
 Weight sync:
   disk  write a safetensors checkpoint into --checkpoint-dir (a path every replica can read),
@@ -44,7 +49,7 @@ and TRL's packed attention loads the flash-attention kernel from the Hugging Fac
 On vLLM's CPU build the model must not tie its LM head to its embeddings (an in-place reload
 does not refresh a tied head there). `rolltap tiny-model` writes an untied model; for another
 model, serve and train an untied copy made by
-trainer_bridge.weights.untie_embeddings(MODEL_DIR, DEST).
+trainer_bridge.checkpoints.untie_embeddings(MODEL_DIR, DEST).
 
 Example (CPU, the tiny model from `rolltap tiny-model models/tiny`):
   rolltap bridge --model models/tiny --vllm http://127.0.0.1:8000 \\
@@ -87,8 +92,7 @@ def resolved_config(config, device: str) -> dict:
         "vllm": config.vllm,
         "gateways": config.gateway,
         "trainer": trainer_fields(config, device),
-        "checkpoint_dir": str(config.checkpoint_dir or config.output_dir / "weights")
-        if config.weight_sync == "disk" else None,
+        "checkpoint_dir": str(_checkpoint_dir(config)),
     }
 
 
@@ -119,7 +123,7 @@ def _resume_point(config, database_url: str):
 
     if not config.resume:
         return None, {}
-    checkpoint_dir = config.checkpoint_dir or config.output_dir / "weights"
+    checkpoint_dir = _checkpoint_dir(config)
     checkpoint = resume.newest_resumable(checkpoint_dir)
     if checkpoint is None:
         print(f"rolltap bridge: --resume: {checkpoint_dir} holds no complete checkpoint; "
@@ -131,6 +135,10 @@ def _resume_point(config, database_url: str):
           f", weights, optimizer and scheduler); {len(reverted)} rollouts that later steps "
           "had logged are back in the queue", flush=True)
     return checkpoint, history
+
+
+def _checkpoint_dir(config) -> Path:
+    return config.checkpoint_dir or config.output_dir / "weights"
 
 
 def _take_back_unsaved(checkpoint_dir, database_url: str) -> None:
@@ -161,7 +169,7 @@ def _trainer_sampling(config) -> dict[str, float]:
     temperature, and any `--set` of them."""
     import dataclasses
 
-    from trl.experimental.async_grpo import AsyncGRPOConfig
+    from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
 
     from trainer_bridge.policy import trainer_sampling
 
@@ -189,7 +197,7 @@ def _warn_unsynced(unsynced: list[tuple[str, str]]) -> None:
               "its tokens get the new versions", file=sys.stderr, flush=True)
 
 
-def _disk_sync(config, output_dir: Path, resume_from: Path | None):
+def _disk_sync(config, resume_from: Path | None):
     """The disk weight sync of `--weight-sync disk`; None with NCCL (TRL builds that one)."""
     if config.weight_sync != "disk":
         return None
@@ -198,7 +206,7 @@ def _disk_sync(config, output_dir: Path, resume_from: Path | None):
 
     return DiskWeightSync(
         config.model,
-        config.checkpoint_dir or output_dir / "weights",
+        _checkpoint_dir(config),
         config.vllm,
         keep=config.keep_checkpoints,
         resumable=resumable,
@@ -242,17 +250,22 @@ def _run(args: argparse.Namespace) -> int:
     from trainer_bridge.resume import StateWriter
     from trainer_bridge.source import RolloutSource
     from trainer_bridge.trainer import KernelUnavailable, make_trainer
-    from trainer_bridge.weights import (
-        NcclWeightSync,
+    from trainer_bridge.versions import (
         PauseLease,
         PolicyAnnouncer,
         VersionedTransfer,
-        WeightSyncError,
         gateway_upstreams,
         unsynced_upstreams,
     )
+    from trainer_bridge.weights import (
+        DiskWeightSync,
+        NcclWeightSync,
+        StateCheckpoints,
+        WeightSyncError,
+    )
 
-    announcer = PolicyAnnouncer.from_gateways(config.gateway, config.admin_key)
+    admin_key = config.admin_key or ""  # `_refusal` made sure it is set
+    announcer = PolicyAnnouncer.from_gateways(config.gateway, admin_key)
     try:
         check_sampling(announcer.policies, _trainer_sampling(config))
     except SamplingMismatch as exc:
@@ -260,7 +273,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     database_url = _database_url(config)
     announcer.use_database(database_url)
-    _warn_unsynced(unsynced_upstreams(gateway_upstreams(config.gateway, config.admin_key),
+    _warn_unsynced(unsynced_upstreams(gateway_upstreams(config.gateway, admin_key),
                                       config.vllm))
     output_dir = config.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -270,8 +283,8 @@ def _run(args: argparse.Namespace) -> int:
         config.source_config(database_url, version_offset=announcer.offset),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
     )
-    disk = _disk_sync(config, output_dir, resume_from)
-    lease = PauseLease(config.gateway, config.admin_key, config.vllm, config.pause_lease_seconds)
+    disk = _disk_sync(config, resume_from)
+    lease = PauseLease(config.gateway, admin_key, config.vllm, config.pause_lease_seconds)
     try:
         trainer = make_trainer(
             config,
@@ -283,12 +296,22 @@ def _run(args: argparse.Namespace) -> int:
     except KernelUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if disk is None:
-        trainer.weight_transfer = VersionedTransfer(
-            NcclWeightSync(trainer.weight_transfer, config.vllm[0]), announcer, lease
-        )
+    state_writer = StateWriter(trainer, source.owner, history, config.state_every)
+    checkpoints: DiskWeightSync | StateCheckpoints
+    if disk is not None:
+        checkpoints = disk
     else:
-        disk.add_state = StateWriter(trainer, source.owner, history, config.state_every)
+        # NCCL writes no checkpoint of its own: every --state-every pushes write one to resume
+        # from, from the same pass over the weights.
+        checkpoints = StateCheckpoints(
+            config.model, _checkpoint_dir(config),
+            due=lambda: trainer.state.global_step % config.state_every == 0,
+            keep=config.keep_checkpoints, protected=[resume_from] if resume_from else [])
+        trainer.weight_transfer = VersionedTransfer(
+            NcclWeightSync(trainer.weight_transfer, config.vllm[0], state=checkpoints),
+            announcer, lease)
+    checkpoints.add_state = state_writer
+    trainer.stop.install()
     progress = Progress(source, trainer.weight_transfer, output_dir / "progress.jsonl")
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(progress)
@@ -304,15 +327,19 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\nrolltap bridge: interrupted", file=sys.stderr)
         code = 130
-        if disk is not None:
-            _take_back_unsaved(disk.checkpoint_dir, database_url)
+        _take_back_unsaved(checkpoints.checkpoint_dir, database_url)
     except WeightSyncError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if code == 0 and trainer.stop.requested:
+        # Stopped at the end of a step, its push and checkpoint written: nothing to take back.
+        print(f"rolltap bridge: stopped after step {trainer.state.global_step}, checkpointed",
+              file=sys.stderr)
+        code = 130
     summary = progress.summary(
         elapsed_s=time.monotonic() - started,
         steps=trainer.state.global_step,
-        checkpoint=disk.latest if disk else None,
+        checkpoint=checkpoints.latest,
     )
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(progress.format_summary(summary), flush=True)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from core import knobs
 
 if TYPE_CHECKING:  # the source pulls in TRL: not needed to parse flags or print --help
-    from trainer_bridge.source import SourceConfig
+    from trainer_bridge.release import SourceConfig
 
 _SECRET = ("admin_key",)
 
@@ -62,8 +62,9 @@ class BridgeConfig:
     output_dir: Path = field(default=Path("runs/bridge"), metadata=_opt(
         "trainer output, progress.jsonl and summary.json", _WHERE, metavar="DIR", type=Path))
     checkpoint_dir: Path | None = field(default=None, metadata=_opt(
-        "disk sync: where checkpoints are written for the replicas to load; must be the same "
-        "path on their machines (default OUTPUT_DIR/weights)", _WHERE, metavar="DIR", type=Path))
+        "where checkpoints are written (disk sync: for the replicas to load, so the same path "
+        "on their machines; nccl sync: to resume from) (default OUTPUT_DIR/weights)", _WHERE,
+        metavar="DIR", type=Path))
 
     # -- training
     num_generations: int = field(default=8, metadata=_opt(
@@ -131,6 +132,13 @@ class BridgeConfig:
     db_give_up: float = field(default=600.0, metadata=_opt(
         "seconds of nothing but database errors before the bridge gives up (shorter outages "
         "are retried with backoff)", _GROUPS, metavar="S", type=float))
+    flush_after: float = field(default=60.0, metadata=_opt(
+        "seconds without a new sample after which the micro-batch the trainer holds is trained "
+        "as a step although it is not full (the last one of a finite run, or a quiet stretch)",
+        _GROUPS, metavar="S", type=float))
+    until_empty: bool = field(default=False, metadata=_opt(
+        "end the run once nothing is left to deliver (after training what the trainer holds), "
+        "even before --max-steps", _GROUPS, action=argparse.BooleanOptionalAction))
     report_every: float = field(default=30.0, metadata=_opt(
         "seconds between lines saying what the bridge waits for when no step comes, and why "
         "the groups it consumed trained nothing", _GROUPS, metavar="S", type=float))
@@ -142,13 +150,14 @@ class BridgeConfig:
         "disk sync: newest checkpoints kept; the last is the trained model", _WEIGHTS,
         metavar="N", type=int))
     resume: bool = field(default=False, metadata=_opt(
-        "disk sync: start from the newest complete checkpoint in --checkpoint-dir (weights, "
-        "optimizer, scheduler, step) and put back in the queue what later steps logged; "
-        "without one, start from --model", _WEIGHTS, action=argparse.BooleanOptionalAction))
+        "start from the newest complete checkpoint in --checkpoint-dir (weights, optimizer, "
+        "scheduler, step) and put back in the queue what later steps logged; without one, "
+        "start from --model", _WEIGHTS, action=argparse.BooleanOptionalAction))
     state_every: int = field(default=1, metadata=_opt(
-        "disk sync: save the optimizer and scheduler with every Nth checkpoint, which makes it "
-        "one to resume from; a crash re-trains at most N steps (raise it on GPUs, where the "
-        "optimizer state is twice the model)", _WEIGHTS, metavar="N", type=int))
+        "save the optimizer and scheduler with every Nth checkpoint, which makes it one to "
+        "resume from (nccl sync: write a checkpoint every Nth push only); a crash re-trains at "
+        "most N steps (raise it on GPUs, where the optimizer state is twice the model)",
+        _WEIGHTS, metavar="N", type=int))
     pause_lease_seconds: float = field(default=5.0, metadata=_opt(
         "a weight sync's pause is leased from the gateways for this long and renewed; a "
         "bridge that dies mid-push has its replicas resumed by the gateways once it runs out",
@@ -163,8 +172,6 @@ class BridgeConfig:
             raise ValueError("temperature must be positive (the trainer divides logits by it)")
         if self.state_every < 1 or self.pause_lease_seconds <= 0:
             raise ValueError("state_every must be at least 1 and pause_lease_seconds positive")
-        if self.resume and self.weight_sync != "disk":
-            raise ValueError("resume reads the disk sync's checkpoints: use --weight-sync disk")
 
     def to_dict(self, *, redact: bool = True) -> dict[str, Any]:
         """Every knob as JSON-ready values; secrets shown only as set or not."""
@@ -178,7 +185,7 @@ class BridgeConfig:
 
     def source_config(self, database_url: str, version_offset: int) -> SourceConfig:
         """The rollout source's part, once the database and the gateways' version are known."""
-        from trainer_bridge.source import SourceConfig
+        from trainer_bridge.release import SourceConfig
 
         return SourceConfig(
             database_url=database_url,
@@ -196,6 +203,8 @@ class BridgeConfig:
             max_attempts=self.max_attempts,
             db_give_up_s=self.db_give_up,
             report_every_s=self.report_every,
+            flush_after_s=self.flush_after,
+            until_empty=self.until_empty,
         )
 
     # -- flags and environment ----------------------------------------------------------------

@@ -97,7 +97,7 @@ def install_cpu_attention() -> bool:
     from trl.experimental.async_grpo import async_grpo_trainer, packing
 
     packing._flash_attn = _this_module
-    async_grpo_trainer.get_peak_flops_per_device = _no_peak_flops
+    async_grpo_trainer.get_peak_flops_per_device = _no_peak_flops  # pyright: ignore[reportPrivateImportUsage]
     return True
 
 

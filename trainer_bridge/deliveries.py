@@ -25,28 +25,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Literal, NamedTuple
+from typing import Any
 from uuid import UUID
 
 import asyncpg
 import msgspec
 
+from core.store.conn import Conn
 from core.store.ledger import account
 from core.store.traces import StoredTrace
+from trainer_bridge.release import Entry, Member, Outcome, PendingGroup
 
-Outcome = Literal["trained", "stale", "too_long", "untrained"]
-
-
-class Entry(NamedTuple):
-    """One line of the delivery log: a trace, what became of it and, for the rollout's ledger,
-    the tokens the step trained and those it left out (masked stale, or the whole trace put aside
-    as stale or too long). Counts may be None where they are not known (zero)."""
-
-    rollout_id: UUID
-    idx: int
-    outcome: Outcome
-    trained_tokens: int | None = None
-    excluded_tokens: int | None = None
+__all__ = ["Entry", "LeaseLost", "TRANSIENT"]
 
 _GROUP_KEY = "coalesce(group_id, id::text)"
 _IN_GROUP = "(group_id = $1 OR (group_id IS NULL AND id::text = $1))"
@@ -79,14 +69,14 @@ class LeaseLost(RuntimeError):
     """The rollouts are no longer leased to this bridge: another bridge took them over."""
 
 
-async def pending_groups(conn: asyncpg.Connection, match: dict) -> list[asyncpg.Record]:
+async def pending_groups(conn: Conn, match: dict[str, Any]) -> list[PendingGroup]:
     """Groups with deliverable rollouts whose metadata contains `match`, oldest first.
 
     Per group: `group_key`, `ready` (deliverable rollouts), `waited_s` (seconds since the first
     of them was merged), `leased` (some bridge holds a live lease on one), `released` (the group
     was released before: its released members are delivered again, the others are late).
     """
-    return await conn.fetch(
+    rows = await conn.fetch(
         f"""
         SELECT {_GROUP_KEY} AS group_key, count(*) AS ready,
                extract(epoch FROM now() - min(merged_at))::float8 AS waited_s,
@@ -103,11 +93,12 @@ async def pending_groups(conn: asyncpg.Connection, match: dict) -> list[asyncpg.
         """,
         match,
     )
+    return [msgspec.convert(dict(row), PendingGroup) for row in rows]
 
 
 async def claim_group(
-    conn: asyncpg.Connection, owner: str, group_key: str, match: dict, lease_s: float
-) -> list[asyncpg.Record] | None:
+    conn: Conn, owner: str, group_key: str, match: dict[str, Any], lease_s: float
+) -> list[Member] | None:
     """Lease every deliverable rollout of a group to `owner`, or none of them.
 
     Returns the claimed rows (id, group_id, task_id, status, reward, finished_at, merge_stats,
@@ -131,7 +122,7 @@ async def claim_group(
         )
         if not rows or len(rows) != total or any(r["live_lease"] for r in rows):
             return None
-        return await conn.fetch(
+        claimed = await conn.fetch(
             "UPDATE rollouts SET lease_owner = $1,"
             " lease_until = now() + make_interval(secs => $2::float8) WHERE id = ANY($3)"
             " RETURNING id, group_id, task_id, status, reward, finished_at, merge_stats,"
@@ -140,10 +131,11 @@ async def claim_group(
             lease_s,
             [r["id"] for r in rows],
         )
+    return [msgspec.convert(dict(row), Member) for row in claimed]
 
 
 async def undelivered_traces(
-    conn: asyncpg.Connection, rollout_ids: list[UUID]
+    conn: Conn, rollout_ids: list[UUID]
 ) -> dict[UUID, list[tuple[int, StoredTrace]]]:
     """Each rollout's trainable merged sequences that no delivery covers yet, with their index."""
     rows = await conn.fetch(
@@ -158,7 +150,7 @@ async def undelivered_traces(
 
 
 async def release_group(
-    conn: asyncpg.Connection,
+    conn: Conn,
     owner: str,
     advantages: dict[UUID, float],
     dropped: Sequence[UUID],
@@ -179,6 +171,7 @@ async def release_group(
             owner,
             ids,
         )
+        held = int(held or 0)
         if held != len(set(ids)):
             raise LeaseLost(f"{len(set(ids)) - held} of {len(set(ids))} rollouts are no longer "
                             f"leased to {owner}")
@@ -200,7 +193,7 @@ async def release_group(
 
 
 async def acknowledge(
-    conn: asyncpg.Connection,
+    conn: Conn,
     owner: str,
     step: int,
     entries: Sequence[Entry | tuple[UUID, int, Outcome]],
@@ -229,14 +222,14 @@ async def acknowledge(
 
 
 async def _log(
-    conn: asyncpg.Connection,
+    conn: Conn,
     owner: str,
     step: int | None,
     entries: Iterable[Entry | tuple[UUID, int, Outcome]],
     *,
     leased: bool,
 ) -> None:
-    entries = [Entry(*e) for e in entries]
+    entries = [e if isinstance(e, Entry) else Entry(e[0], e[1], e[2]) for e in entries]
     if not entries:
         return
     rollout_ids, idxs, outcomes, trained, excluded = (
@@ -263,7 +256,7 @@ async def _log(
     )
 
 
-async def _consume_complete(conn: asyncpg.Connection, owner: str, rollout_ids: list[UUID]) -> None:
+async def _consume_complete(conn: Conn, owner: str, rollout_ids: list[UUID]) -> None:
     done = await conn.fetch(
         "UPDATE rollouts r SET consumed_at = now(), lease_until = NULL"
         " WHERE r.id = ANY($2) AND r.lease_owner = $1 AND r.consumed_at IS NULL"
@@ -275,7 +268,7 @@ async def _consume_complete(conn: asyncpg.Connection, owner: str, rollout_ids: l
     await _write_ledgers(conn, done, dropped=False)
 
 
-async def _write_ledgers(conn: asyncpg.Connection, consumed: Sequence, *, dropped: bool) -> None:
+async def _write_ledgers(conn: Conn, consumed: Sequence, *, dropped: bool) -> None:
     """Each consumed rollout's ledger (core/store/ledger.py), from its merge and its log."""
     if not consumed:
         return
@@ -299,7 +292,7 @@ async def _write_ledgers(conn: asyncpg.Connection, consumed: Sequence, *, droppe
     )
 
 
-async def ledgers(conn: asyncpg.Connection, rollout_ids: Sequence[UUID]) -> dict[UUID, dict]:
+async def ledgers(conn: Conn, rollout_ids: Sequence[UUID]) -> dict[UUID, dict]:
     """The ledgers of the consumed ones among `rollout_ids`."""
     rows = await conn.fetch(
         "SELECT id, ledger FROM rollouts WHERE id = ANY($1) AND ledger IS NOT NULL",
@@ -309,7 +302,7 @@ async def ledgers(conn: asyncpg.Connection, rollout_ids: Sequence[UUID]) -> dict
 
 
 async def renew(
-    conn: asyncpg.Connection, owner: str, rollout_ids: list[UUID], lease_s: float
+    conn: Conn, owner: str, rollout_ids: list[UUID], lease_s: float
 ) -> set[UUID]:
     """Extend `owner`'s leases on `rollout_ids`; returns the ones it still holds."""
     rows = await conn.fetch(
@@ -323,7 +316,7 @@ async def renew(
 
 
 async def release(
-    conn: asyncpg.Connection, owner: str, rollout_ids: list[UUID], *, fault: bool = False
+    conn: Conn, owner: str, rollout_ids: list[UUID], *, fault: bool = False
 ) -> None:
     """Give back a claim that will not be delivered (now), so another bridge need not wait it
     out; with `fault` the group itself failed, which counts towards its quarantine."""
@@ -338,7 +331,7 @@ async def release(
 
 
 async def revert_steps_after(
-    conn: asyncpg.Connection, trained_through: dict[str, int]
+    conn: Conn, trained_through: dict[str, int]
 ) -> list[UUID]:
     """Take back what the delivery log says the steps after a checkpoint trained:
     `trained_through` maps each bridge of the checkpoint's history to its last step in it. Their
@@ -363,7 +356,7 @@ async def revert_steps_after(
     return ids
 
 
-async def quarantine(conn: asyncpg.Connection, owner: str, rollout_ids: list[UUID]) -> None:
+async def quarantine(conn: Conn, owner: str, rollout_ids: list[UUID]) -> None:
     """Put a claimed group aside for good: no bridge delivers it again until someone clears
     `quarantined_at` (and `delivery_attempts`)."""
     await conn.execute(

@@ -8,8 +8,9 @@ what to say and when (pure, with a clock given); the rollout source feeds it and
   at most one per cause every `every_s`, with the count of such groups since the last line.
 - The last `window` released groups all trained nothing: a warning every `every_s`.
 - No optimizer step for `every_s` while the trainer waits for samples (not while a long step
-  runs): what is buffered (samples, tokens, rollouts, groups), what waits for members, and what a
-  step needs, every `every_s`.
+  runs), every `every_s`: the micro-batch the trainer holds open, counted as TRL's packer counts
+  it (unique tokens and loss terms, each bounded by --token-budget per row) and when it trains
+  as it is (--flush-after), and what waits for members.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from core.store.ledger import FLAGS, account
+from trainer_bridge.handover import Held
+from trainer_bridge.release import Member
 
 
 @dataclass(frozen=True)
@@ -27,15 +30,15 @@ class Waiting:
     """What the source holds for the trainer, and what it waits for, at one look."""
 
     samples: int  # handed to the trainer, not yet in a logged step
-    tokens: int  # their total length
-    longest: int  # the longest of them
-    rollouts: int
-    groups: int
+    taken: int  # of them, taken off the queue by the trainer (in a micro-batch)
     gathering: int = 0  # groups with finished members that wait for the rest
     gathered: int = 0  # finished rollouts in those groups
     deadline_in_s: float | None = None  # until the first of them is released partial
     # The trainer is blocked for its next sample, not busy with a long step.
     trainer_waiting: bool = True
+    held: Held = Held()  # the micro-batch the trainer holds open
+    flush_in_s: float | None = None  # until it trains as it is; None: it cannot yet
+    queued: int = 0  # samples on the queue, not taken by the trainer yet
 
 
 def _causes(excluded: Mapping[str, int]) -> str:
@@ -55,6 +58,7 @@ class Narrator:
         num_generations: int,
         token_budget: int,
         group_deadline_s: float,
+        flush_after_s: float = 60.0,
         every_s: float = 30.0,
         window: int = 4,
         say: Callable[[str], None] = print,
@@ -62,6 +66,7 @@ class Narrator:
     ) -> None:
         self.num_generations, self.token_budget = num_generations, token_budget
         self.group_deadline_s, self.every_s, self.window = group_deadline_s, every_s, window
+        self.flush_after_s = flush_after_s
         self.say, self.clock = say, clock
         self._last_cause_line: dict[str, float] = {}
         self._held: Counter = Counter()  # groups per cause not yet said
@@ -108,45 +113,52 @@ class Narrator:
             self.say(
                 f"rolltap bridge: warning: the last {self.window} groups this bridge consumed "
                 f"trained nothing (excluded {_causes(excluded)}). What changes it: "
-                f"{FLAGS.get(cause, 'rollouts whose calls sample tokens')}"
+                f"{FLAGS.get(cause or '', 'rollouts whose calls sample tokens')}"
             )
         if waiting.trainer_waiting and now - self._waiting_said_at >= self.every_s:
             self._waiting_said_at = now
             self.say(self.waiting_line(waiting, now - self._since))
 
     def waiting_line(self, w: Waiting, waited_s: float) -> str:
-        line = (
-            f"rolltap bridge: no optimizer step for {waited_s:.0f} s. Buffered: {w.samples} "
-            f"samples, {w.tokens} tokens, of {w.rollouts} rollouts in {w.groups} groups; a step "
-            f"needs more than --token-budget {self.token_budget} tokens"
-        )
-        if w.tokens and w.tokens <= self.token_budget:
-            line += f" (short by {self.token_budget - w.tokens + 1}: more rollouts"
-            # A micro-batch closes when the next sample does not fit, and a sample longer than
-            # the budget is dropped: a budget in [longest, tokens) steps on what is here.
-            if w.longest < w.tokens:
-                line += (
-                    f", or restart with --token-budget {max(w.longest, w.tokens // 2)} to "
-                    "train on what is here: nothing a step has not logged is lost"
-                )
-            line += ")"
-
+        line = f"rolltap bridge: no optimizer step for {waited_s:.0f} s. " + self._holding(w)
+        if w.queued:
+            line += f" {w.queued} more samples are queued for it."
         if w.gathering:
             deadline = (
                 f", the first released at --group-deadline in {w.deadline_in_s:.0f} s"
                 if w.deadline_in_s is not None and w.deadline_in_s > 0 else ""
             )
             line += (
-                f". {w.gathering} groups wait for their members ({w.gathered} rollouts finished, "
-                f"--num-generations {self.num_generations}{deadline})"
+                f" {w.gathering} groups wait for their members ({w.gathered} rollouts finished, "
+                f"--num-generations {self.num_generations}{deadline})."
             )
-        elif not w.samples:
-            line += ". No finished rollout waits: is the runner producing any?"
+        elif not w.held.samples and not w.queued:
+            line += " No finished rollout waits: is the runner producing any?"
         return line
+
+    def _holding(self, w: Waiting) -> str:
+        held = w.held
+        if not held.samples:
+            return "The trainer holds no sample."
+        what = (
+            f"The trainer holds a partial micro-batch: {held.samples} samples, "
+            f"{held.unique_tokens} unique tokens and {held.loss_terms} loss terms as TRL's "
+            f"packer counts them (a row closes when the next sample would take either past "
+            f"--token-budget {self.token_budget})"
+        )
+        if w.taken > held.samples:
+            # Accelerate's dispatcher holds the micro-batch before the open one.
+            what += (f", after a full one of {w.taken - held.samples} samples that trains "
+                     "first")
+        if w.flush_in_s is None:
+            return (f"{what}; it trains once each of the {held.rows} ranks' rows holds a "
+                    f"sample ({held.rows_filled} do).")
+        return (f"{what}; it trains as it is in {w.flush_in_s:.0f} s unless a sample arrives "
+                f"first (--flush-after {self.flush_after_s:g}).")
 
 
 def group_account(
-    members: Sequence[Mapping],
+    members: Sequence[Member],
     advantages: Mapping,
     dropped: Collection,
     entries: Iterable[tuple],
@@ -159,8 +171,8 @@ def group_account(
         logged.setdefault(rollout_id, []).append(tuple(entry))
     trained, excluded = 0, Counter()
     for member in members:
-        ledger = account(member["merge_stats"] or {}, advantages.get(member["id"]),
-                         logged.get(member["id"], ()), dropped=member["id"] in dropped)
+        ledger = account(member.merge_stats or {}, advantages.get(member.id),
+                         logged.get(member.id, ()), dropped=member.id in dropped)
         trained += ledger.trained_tokens
         excluded.update(ledger.excluded_tokens)
     return trained, excluded

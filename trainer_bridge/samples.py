@@ -9,7 +9,7 @@ sampling, incomplete capture), and everything it left in trains.
 TRL drops a whole sample whose `model_version` is more than `max_staleness` versions behind the
 trainer. A long rollout spans many versions, so `model_version` is the NEWEST version among the
 trained tokens: TRL then drops only samples with no fresh token left, and staleness is handled
-per token by the rollout source (trainer_bridge/source.py), which masks the stale ones.
+per token by the rollout source (trainer_bridge/outstanding.py), which masks the stale ones.
 """
 
 import enum

@@ -19,15 +19,19 @@ synchronous GRPO corrects for vLLM's sampling: a mismatch between engine and tra
 re-weights a token instead of clipping it away.
 """
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from datasets import Dataset
+from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase, TrainerCallback
-from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
 from trl.experimental.async_grpo.async_grpo_trainer import (
+    AsyncGRPOTrainer,
     DataCollatorForRollout,
+    RolloutQueueDataset,
     RolloutWorkerProtocol,
     WeightTransferProtocol,
 )
@@ -36,8 +40,10 @@ from trainer_bridge.advantages import rollout_loss_weights
 from trainer_bridge.config import BridgeConfig
 from trainer_bridge.cpu_attention import install_cpu_attention
 from trainer_bridge.faults import crash_point
+from trainer_bridge.handover import FlushingBatcher, StreamEnded
 from trainer_bridge.samples import ROLLOUT_TOKENS_METRIC
-from trainer_bridge.source import DELIVERY_KEY
+from trainer_bridge.stopping import StepEndStop
+from trainer_bridge.worker import DELIVERY_KEY, DeliveryWorker
 
 LossNormalization = Literal["token", "rollout"]
 ImportanceSampling = Literal["none", "tis"]
@@ -138,21 +144,24 @@ class _TruncatedIS:
 class _Acknowledge(TrainerCallback):
     """Tells the rollout source which samples the optimizer step just took (before the push)."""
 
-    def __init__(self, trainer: "RolltapGRPOTrainer") -> None:
+    def __init__(self, trainer: "RolltapGRPOTrainer", worker: DeliveryWorker) -> None:
         self.trainer = trainer
+        self.worker = worker
 
     def on_optimizer_step(self, args, state, control, **kwargs):
+        # From here to the end of the step's push a stop waits (trainer_bridge/stopping.py).
+        self.trainer.stop.hold()
         crash_point("after_step")
         numbers, self.trainer.step_deliveries = self.trainer.step_deliveries, []
         # `global_step` counts the step once it is over, which this one is but for the count.
-        self.trainer.rollout_worker.acknowledge(state.global_step + 1, numbers)
+        self.worker.acknowledge(state.global_step + 1, numbers)
         crash_point("after_log")
 
 
 class RolltapGRPOTrainer(AsyncGRPOTrainer):
-    """`AsyncGRPOTrainer` with delivery acknowledgements (for a rollout worker that has
-    `acknowledge`), `loss_normalization` ("token": TRL's own loss, or "rollout") and
-    `importance_sampling` ("none", or "tis" with `tis_cap`)."""
+    """`AsyncGRPOTrainer` with delivery acknowledgements and the flush of a partial micro-batch
+    (for a rollout worker that is a `DeliveryWorker`), `loss_normalization` ("token": TRL's own
+    loss, or "rollout") and `importance_sampling` ("none", or "tis" with `tis_cap`)."""
 
     def __init__(
         self,
@@ -175,18 +184,75 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
         self.tis_cap = tis_cap
         self.step_deliveries: list[int] = []  # sample numbers the current step has trained on
         super().__init__(*args, **kwargs)
-        if hasattr(self.rollout_worker, "acknowledge"):
-            self.add_callback(_Acknowledge(self))
+        # After TRL's push callback, so a stop held for a step waits for its push.
+        self.stop = StepEndStop()
+        self.add_callback(self.stop)
+        worker = self.rollout_worker
+        self.delivery_worker = worker if isinstance(worker, DeliveryWorker) else None
+        if self.delivery_worker is not None:
+            self.add_callback(_Acknowledge(self, self.delivery_worker))
 
     def get_train_dataloader(self):
-        loader = super().get_train_dataloader()
+        worker = self.delivery_worker
+        args = cast(AsyncGRPOConfig, self.args)
+        if (worker is not None and self.accelerator.is_main_process
+                and (args.token_budget or 0) > 0):
+            loader = self._flushing_loader(worker, args)
+        else:
+            loader = super().get_train_dataloader()
         # TRL builds its collator inside this method. Its config forces dispatch_batches, so
         # the loader is accelerate's dispatcher, which collates through `base_dataloader`.
-        base = loader.base_dataloader
+        base = cast(Any, loader).base_dataloader
         if self.loss_normalization == "rollout":
             base.collate_fn = RolloutWeightCollator(base.collate_fn)
         base.collate_fn = DeliveryCollator(base.collate_fn)
         return loader
+
+    def _flushing_loader(self, worker: DeliveryWorker, args: AsyncGRPOConfig) -> DataLoader[Any]:
+        """TRL's loader (its queue reader, token-budget batcher and packer), with the batcher
+        that also trains an open micro-batch once no sample comes (trainer_bridge/handover.py).
+        TRL builds its batcher inside `get_train_dataloader`, so the loader is built here the
+        same way, with that one part changed."""
+        metrics = self._metrics["train"]
+        dataset = RolloutQueueDataset(
+            rollout_queue=self.rollout_queue,
+            model_version_fn=lambda: self.model_version,
+            check_health_fn=worker.check_health,
+            stale_after_s=args.heartbeat_stale_after_s,
+            metrics=metrics,
+            max_staleness=args.max_staleness,
+            report_to=args.report_to,
+        )
+        # TRL flushes the queue wait into its step metrics through this attribute.
+        self._rollout_dataset = dataset
+        processes = self.accelerator.num_processes
+        budget = args.token_budget or 0
+        batcher = FlushingBatcher(dataset, processes, budget, metrics, worker.open_batch)
+        tokenizer = cast(PreTrainedTokenizerBase, self.processing_class)
+        collator = DataCollatorForRollout(
+            cast(int, tokenizer.pad_token_id), processes, groups_trained=self._trained_groups,
+            metrics=metrics, token_budget=budget)
+        return self.accelerator.prepare(
+            DataLoader(batcher, batch_size=1, collate_fn=collator, num_workers=0))
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        return super().get_batch_samples(self._until_stream_ends(epoch_iterator), num_batches,
+                                         device)
+
+    def _until_stream_ends(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """The epoch's micro-batches, until the rollout stream ends (`--until-empty`): then
+        training stops, as after its last step."""
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except StreamEnded:
+                print("rolltap bridge: nothing left to deliver (--until-empty): the run ends",
+                      flush=True)
+                self.control.should_training_stop = True
+                return
+            yield batch
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         numbers = inputs.pop("delivery_ids", None)
@@ -197,8 +263,8 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
         except Exception:
             # These samples could not be trained: a fault of their groups, not of the bridge.
-            if numbers is not None and hasattr(self.rollout_worker, "fault"):
-                self.rollout_worker.fault(numbers[0].tolist())
+            if numbers is not None and self.delivery_worker is not None:
+                self.delivery_worker.fault(numbers[0].tolist())
             raise
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -211,7 +277,7 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
             inputs = {**inputs, "advantages": inputs["advantages"] * scale}
         if self.importance_sampling == "tis":
             selected = inputs["token_index"] >= 0
-            model = _TruncatedIS(
+            model = cast(Any, _TruncatedIS)(
                 model,
                 inputs["token_index"][selected],
                 inputs["old_log_probs"][selected],

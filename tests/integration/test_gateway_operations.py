@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.gateway import ADMIN_KEY, GatewayProcess, free_port
 from tests.support.streams import OpenStream, long_stream_body
-from trainer_bridge.weights import PolicyAnnouncer
+from trainer_bridge.versions import PolicyAnnouncer
 
 
 def _dead_upstream() -> str:

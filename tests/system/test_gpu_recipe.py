@@ -188,7 +188,7 @@ def test_gpu_check_trusts_torch_not_only_the_driver_listing(tmp_path):
 
 
 def test_bridge_names_replicas_a_gateway_routes_to_but_it_does_not_push_to(gateway, vllm_server):
-    from trainer_bridge.weights import gateway_upstreams, unsynced_upstreams
+    from trainer_bridge.versions import gateway_upstreams, unsynced_upstreams
 
     upstreams = gateway_upstreams([gateway.url], ADMIN_KEY)
     assert upstreams == {gateway.url: [vllm_server.url]}

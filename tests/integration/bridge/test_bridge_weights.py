@@ -15,16 +15,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.support.gateway import ADMIN_KEY, GatewayProcess
-from trainer_bridge.weights import (
-    DiskWeightSync,
-    PolicyAnnouncer,
-    WeightSyncError,
+from trainer_bridge.checkpoints import (
     check_names,
     checkpoint_names,
     remove_partial_checkpoints,
     untie_embeddings,
     write_checkpoint,
 )
+from trainer_bridge.versions import PolicyAnnouncer
+from trainer_bridge.weights import DiskWeightSync, WeightSyncError
 
 
 def _model_dir(tmp_path):

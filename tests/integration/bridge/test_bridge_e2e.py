@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,13 +37,10 @@ from stack.toy_task import ToyTask, run_toy_rollouts
 from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
 from tests.support.vllm import TINY_MODEL_NAME
 from trainer_bridge import resume
+from trainer_bridge.checkpoints import untie_embeddings
 from trainer_bridge.config import match_arg
-from trainer_bridge.weights import (
-    DiskWeightSync,
-    PolicyAnnouncer,
-    VersionedTransfer,
-    untie_embeddings,
-)
+from trainer_bridge.versions import PolicyAnnouncer, VersionedTransfer
+from trainer_bridge.weights import DiskWeightSync
 
 MAX_STEPS = 30
 # The toy prompt (system, tool schema, question) is about 270 tokens and shared by every
@@ -483,7 +481,7 @@ def _compare_resumed_optimizers(checkpoint_dir) -> int:
     """Checkpoints written at the same step as the one before them are a resumed bridge's first:
     their optimizer state must equal the one it resumed from. Returns how many were compared
     (those with moments to compare: resumed after a step)."""
-    from trainer_bridge.weights import checkpoint_index
+    from trainer_bridge.checkpoints import checkpoint_index
 
     checkpoints = sorted((p for p in checkpoint_dir.iterdir() if checkpoint_index(p)),
                          key=checkpoint_index)
@@ -579,15 +577,21 @@ def test_plain_chat_rollouts_train_and_a_group_of_side_calls_says_why_it_does_no
             assert summary["trained_nothing"].startswith("trained nothing: ")
             assert "excluded as auxiliary" in summary["trained_nothing"]
 
-        # One group of plain chat rollouts, less than a step: the bridge says what it holds and
-        # what a step needs, within 30 s.
+        # One group of plain chat rollouts, less than a step: within 30 s the bridge says what
+        # the trainer holds, counted as TRL's packer counts it, and when it trains as it is.
         first = _chat_group(admin, run, "plain-0")
         tokens = sum(len(s["input_ids"]) for rid in first
                      for s in admin.get(f"/admin/rollouts/{rid}/traces").json()["sequences"])
         assert tokens <= 256, "a group of this test must be less than a step"
-        line, seen = _wait_for_line(log_path, bridge, f"Buffered: 4 samples, {tokens} tokens",
+        line, seen = _wait_for_line(log_path, bridge, "holds a partial micro-batch: 4 samples",
                                     seen, timeout=35)
-        assert "a step needs more than --token-budget 256 tokens" in line
+        held = re.search(r"(\d+) unique tokens and (\d+) loss terms .*--token-budget 256\); "
+                         r"it trains as it is in (\d+) s", line)
+        assert held, line
+        unique, terms, flush_in = map(int, held.groups())
+        # Its numbers do not contradict it: the group shares its prompt, so fewer unique
+        # tokens than raw ones, and all within a row.
+        assert 0 < terms < unique <= tokens <= 256 and flush_in <= 60, line
 
         # The other 28 rollouts: 32 toolless single-call rollouts make two steps.
         for group in range(1, 8):

@@ -1,5 +1,5 @@
-"""The rollout source: release decisions, sample building and the staleness mask (pure); leases,
-releases, acknowledgements, retries and quarantine on Postgres; and exactly-once delivery of
+"""The rollout source (the pure release policy is tested in tests/unit/bridge/test_release.py):
+leases, releases, acknowledgements, retries and quarantine on Postgres; and exactly-once delivery of
 rollouts recorded by the real gateway from the real vLLM, with two bridges on one database and
 with a bridge killed mid-run and replaced. (The real trainer killed at every seam of a step is
 in test_bridge_e2e.py.)"""
@@ -20,8 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 import asyncpg
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from core.store.db import open_pool
 from core.store.tokens import IDS, LOGPROBS
@@ -30,158 +28,9 @@ from tests.support.gateway import ADMIN_KEY
 from tests.support.postgres import fresh_database
 from tests.support.sequences import Seq
 from trainer_bridge import deliveries
-from trainer_bridge.advantages import group_advantages
-from trainer_bridge.samples import ROLLOUT_TOKENS_METRIC
-from trainer_bridge.source import (
-    DELIVERY_KEY,
-    Release,
-    RolloutSource,
-    SourceConfig,
-    build_group,
-    decide,
-    group_number,
-    mask_stale,
-    plan_release,
-)
-
-# -- release decisions and sample building (pure) -------------------------------------------
-
-
-@given(
-    ready=st.integers(0, 20),
-    waited=st.floats(0, 1000),
-    released=st.booleans(),
-    g=st.integers(1, 10),
-    deadline=st.floats(0, 500),
-    partial=st.sampled_from(["train", "drop"]),
-)
-def test_release_decision(ready, waited, released, g, deadline, partial):
-    config = SourceConfig("", num_generations=g, token_budget=1, group_deadline_s=deadline,
-                          partial_groups=partial)
-    decision = decide(ready, waited, released, config)
-    if released:
-        assert decision is Release.REDELIVER
-    elif ready >= g:
-        assert decision is Release.COMPLETE
-    elif waited < deadline:
-        assert decision is Release.WAIT
-    else:
-        assert decision is (Release.PARTIAL if partial == "train" else Release.EXPIRED)
-    assert decision.trains == (decision in (Release.COMPLETE, Release.PARTIAL,
-                                            Release.REDELIVER))
-
-
-@given(st.text(max_size=80), st.text(max_size=80))
-def test_group_number_is_stable_and_fits_62_bits(a, b):
-    assert group_number(a) == group_number(a)
-    assert 0 <= group_number(a) < 2**62
-    if a != b:
-        assert group_number(a) != group_number(b)  # 62-bit collisions: not in this lifetime
-
-
-@st.composite
-def rollout(draw):
-    """A claimed rollout (reward, merge stats) and its merged sequences."""
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    seqs = []
-    for _ in range(draw(st.integers(0, 3))):
-        n = int(rng.integers(3, 40))
-        mask = np.zeros(n, np.uint8)
-        mask[int(rng.integers(1, n - 1)):] = 1
-        seqs.append(Seq(rng.integers(0, 2048, n).astype(np.int32), mask,
-                        np.where(mask, -rng.random(n), 0).astype(np.float32),
-                        np.where(mask, rng.integers(10, 16), -1).astype(np.int32)))
-    member = {
-        "id": uuid.uuid4(),
-        "reward": draw(st.one_of(st.none(), st.floats(-5, 5))),
-        "merge_stats": {"calls": draw(st.integers(1, 6)),
-                        "causes": {"drift": draw(st.integers(0, 3))}},
-    }
-    return member, seqs
-
-
-@given(st.lists(rollout(), min_size=1, max_size=6))
-def test_group_samples_share_their_rollouts_advantage(rollouts):
-    members = [{**m, "released_at": None, "advantage": None} for m, _ in rollouts]
-    traces = {m["id"]: list(enumerate(seqs)) for m, seqs in rollouts}
-    config = SourceConfig("", num_generations=4, token_budget=30, version_offset=10)
-    advantages, dropped = plan_release(members, Release.COMPLETE, config)
-    assert dropped == []
-    batch = build_group(members, advantages, traces, group_id=7, config=config)
-    expected_adv = group_advantages([m["reward"] for m in members])
-    expected, skipped = [], []
-    for member, advantage in zip(members, expected_adv):
-        for idx, seq in traces[member["id"]]:
-            if len(seq.input_ids) > 30:
-                # Put aside with the tokens it would have trained (its first one never trains).
-                skipped.append((member["id"], idx, "too_long", 0,
-                                int(seq.loss_mask[1:].astype(bool).sum())))
-                continue
-            version = int(seq.versions[seq.loss_mask.astype(bool)].max()) - 10
-            expected.append((advantage, version, member["reward"], member["id"], idx))
-    got = [(s.advantage, s.model_version, s.metrics["reward"]) for s in batch.samples]
-    assert len(got) == len(expected) == len(batch.pending)
-    for (adv, version, reward, rid, idx), g, out in zip(expected, got, batch.pending):
-        assert g[0] == pytest.approx(adv) and g[1] == version
-        assert g[2] == reward or (reward is None and np.isnan(g[2]))
-        assert (out.rollout_id, out.idx) == (rid, idx)
-    assert batch.skipped == skipped
-    assert all(s.group_id == 7 for s in batch.samples)
-    # One trained-token count per rollout, whatever its sequences (rollout-level loss weights).
-    assert all(s.metrics[ROLLOUT_TOKENS_METRIC] > 0 for s in batch.samples)
-    assert batch.counts["rollouts"] == len(members)
-    assert batch.counts["samples"] + batch.counts["too_long"] == sum(
-        len(seqs) for _, seqs in rollouts)
-    assert batch.metrics["rollout/group_size"] == len(members)
-    assert batch.metrics["rollout/drift_rate"] == (
-        sum(m["merge_stats"]["causes"]["drift"] for m in members),
-        sum(m["merge_stats"]["calls"] - 1 for m in members))
-    scored = [m["reward"] for m in members if m["reward"] is not None]
-    if scored:
-        assert batch.metrics["rollout/reward_mean"] == pytest.approx(np.mean(scored))
-
-
-def test_a_released_group_keeps_its_advantages_and_its_newcomers_are_late():
-    old = [{"id": uuid.uuid4(), "reward": r, "released_at": "then", "advantage": a}
-           for r, a in ((1.0, 0.7), (0.0, -0.7))]
-    new = {"id": uuid.uuid4(), "reward": 1.0, "released_at": None, "advantage": None}
-    config = SourceConfig("", num_generations=2, token_budget=30)
-    # Whatever a stale look at the group decided, the stored release wins.
-    for decision in (Release.COMPLETE, Release.REDELIVER, Release.EXPIRED):
-        advantages, dropped = plan_release([*old, new], decision, config)
-        assert advantages == {old[0]["id"]: 0.7, old[1]["id"]: -0.7}
-        assert dropped == [new["id"]]
-    advantages, dropped = plan_release([new], Release.EXPIRED, config)
-    assert advantages == {} and dropped == [new["id"]]
-
-
-def test_a_rollout_trains_by_its_trace_mask_so_flagged_calls_stay_out():
-    """The merge zeroes the loss mask over calls it flagged (constrained sampling, incomplete
-    capture); the other calls of the same sequence train."""
-    mask = np.array([0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1], np.uint8)  # call 2's reply: zeroed
-    flagged = np.zeros(12, bool)
-    flagged[7:10] = True  # what call 2 sampled
-    seq = Seq(np.arange(12, dtype=np.int32), mask,
-              np.where(mask | flagged, -0.5, 0).astype(np.float32),
-              np.where(mask | flagged, 3, -1).astype(np.int32))
-    member = {"id": uuid.uuid4(), "reward": 1.0, "merge_stats": {}}
-    config = SourceConfig("", num_generations=1, token_budget=64)
-    batch = build_group([member], {member["id"]: 1.0}, {member["id"]: [(0, seq)]}, group_id=1,
-                        config=config)
-    [sample] = batch.samples
-    np.testing.assert_array_equal(sample.completion_mask, mask)
-    assert not sample.completion_mask[flagged].any()
-    assert np.all(sample.old_log_probs[flagged] == 0)
-
-
-@given(st.integers(0, 8), st.integers(0, 30), st.data())
-def test_stale_tokens_are_masked_and_fresh_ones_kept(max_staleness, trainer_version, data):
-    versions = np.array(data.draw(st.lists(st.integers(-1, 30), min_size=1, max_size=40)))
-    mask = (versions >= 0).astype(np.int64)
-    keep = mask_stale(mask, versions, trainer_version, max_staleness)
-    for m, v, k in zip(mask, versions, keep):
-        assert k == (bool(m) and trainer_version - v <= max_staleness)
-
+from trainer_bridge.release import SourceConfig, group_number
+from trainer_bridge.source import RolloutSource
+from trainer_bridge.worker import DELIVERY_KEY
 
 # -- leases on Postgres (rows written directly: these tests are about the lease logic) -------
 
@@ -245,8 +94,8 @@ async def test_a_claim_takes_the_whole_group_or_nothing(lease_pool):
             claim = deliveries.claim_group(other, "B", "g-all", match, 30)
             assert await asyncio.wait_for(claim, 10) is None  # skipped, not waited for
         claimed = await deliveries.claim_group(other, "B", "g-all", match, 30)
-    assert sorted(r["id"] for r in claimed) == sorted(ids)
-    assert all(r["delivery_attempts"] == 0 for r in claimed)
+    assert sorted(r.id for r in claimed) == sorted(ids)
+    assert all(r.delivery_attempts == 0 for r in claimed)
 
 
 async def test_a_lease_runs_out_and_its_old_owner_changes_nothing(lease_pool):
@@ -256,14 +105,14 @@ async def test_a_lease_runs_out_and_its_old_owner_changes_nothing(lease_pool):
     async with lease_pool.acquire() as conn:
         assert len(await deliveries.claim_group(conn, "A", "g-lease", match, 1.0)) == 2
         [pending] = await deliveries.pending_groups(conn, match)
-        assert pending["leased"] and pending["ready"] == 2
+        assert pending.leased and pending.ready == 2
         assert await deliveries.claim_group(conn, "B", "g-lease", match, 30) is None
         deadline = time.monotonic() + 20
-        while (await deliveries.pending_groups(conn, match))[0]["leased"]:
+        while (await deliveries.pending_groups(conn, match))[0].leased:
             assert time.monotonic() < deadline, "the lease never ran out"
             await asyncio.sleep(0.2)
         claimed = await deliveries.claim_group(conn, "B", "g-lease", match, 30)
-        assert [r["delivery_attempts"] for r in claimed] == [0, 0]
+        assert [r.delivery_attempts for r in claimed] == [0, 0]
         with pytest.raises(deliveries.LeaseLost):
             await deliveries.release_group(conn, "A", dict.fromkeys(ids, 0.5), [], [])
         await deliveries.release_group(conn, "B", dict.fromkeys(ids, 0.5), [], [])
@@ -339,10 +188,10 @@ async def test_pending_groups_know_late_members_and_filter_on_metadata(lease_poo
     await _rollouts(lease_pool, "g-new", 2, match)
     await _rollouts(lease_pool, "g-other", 2, {"run": "another run"})
     async with lease_pool.acquire() as conn:
-        pending = {r["group_key"]: r for r in await deliveries.pending_groups(conn, match)}
+        pending = {r.group_key: r for r in await deliveries.pending_groups(conn, match)}
     assert set(pending) == {"g-late", "g-new"}
-    assert pending["g-late"]["released"] and pending["g-late"]["ready"] == 1
-    assert not pending["g-new"]["released"] and pending["g-new"]["ready"] == 2
+    assert pending["g-late"].released and pending["g-late"].ready == 1
+    assert not pending["g-new"].released and pending["g-new"].ready == 2
 
 
 class Drain:
@@ -789,11 +638,11 @@ async def test_a_resume_takes_back_the_steps_after_its_checkpoint(lease_pool):
                                 " FROM rollouts WHERE id = ANY($1)", [*first, *later, *other])
         assert {r["id"] for r in rows if r["queued"]} == set(later)
         [pending] = await deliveries.pending_groups(conn, match)
-        assert pending["group_key"] == "g-later" and not pending["leased"]
+        assert pending.group_key == "g-later" and not pending.leased
         claimed = await deliveries.claim_group(conn, c, "g-later", match, 60)
-    assert sorted(r["id"] for r in claimed) == sorted(later)
-    assert [r["delivery_attempts"] for r in claimed] == [0, 0]
-    assert [r["advantage"] for r in claimed] == [0.5, 0.5]  # trained again with the same numbers
+    assert sorted(r.id for r in claimed) == sorted(later)
+    assert [r.delivery_attempts for r in claimed] == [0, 0]
+    assert [r.advantage for r in claimed] == [0.5, 0.5]  # trained again with the same numbers
 
 
 async def test_a_group_the_trainer_fails_on_counts_a_fault_and_is_given_back(

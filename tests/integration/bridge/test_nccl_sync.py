@@ -1,4 +1,6 @@
-"""`NcclWeightSync` around TRL's real `WeightTransferClient`, whose NCCL side cannot run here.
+"""`NcclWeightSync` around TRL's real `WeightTransferClient`, whose NCCL side cannot run here;
+and an NCCL run's resumable state, written every --state-every pushes by the disk writer from
+the same pass over the weights, with the NCCL transfer itself faked (no GPU here).
 
 The engine is a fault stand-in: an HTTP server speaking vLLM's weight-transfer routes that
 records every call and fails the ones a test names, so a failed send can be made to happen.
@@ -19,10 +21,17 @@ import torch
 from accelerate import PartialState
 
 warnings.simplefilter("ignore")
+from safetensors.torch import load_file  # noqa: E402
 from trl.experimental.async_grpo.vllm_client import VLLMClient  # noqa: E402
 from trl.experimental.async_grpo.weight_transfer import WeightTransferClient  # noqa: E402
 
-from trainer_bridge.weights import NcclWeightSync  # noqa: E402
+from stack.tiny_model import write_tiny_model  # noqa: E402
+from tests.support.delivery_worker import ListDeliveryWorker, synthetic_samples  # noqa: E402
+from trainer_bridge import resume  # noqa: E402
+from trainer_bridge.config import BridgeConfig  # noqa: E402
+from trainer_bridge.resume import StateWriter  # noqa: E402
+from trainer_bridge.trainer import make_trainer  # noqa: E402
+from trainer_bridge.weights import NcclWeightSync, StateCheckpoints  # noqa: E402
 
 
 class FaultStandInEngine:
@@ -146,3 +155,87 @@ def test_the_real_engine_has_the_teardown_route(vllm_server, engine_factory, cap
     client = _trl_client(vllm_server.url, joined=False)
     NcclWeightSync(client, vllm_server.url).destroy()
     assert "could not shut down" not in caplog.text
+
+
+# -- resuming an NCCL run --------------------------------------------------------------------
+
+
+class FakeNcclTransfer:
+    """A fake of TRL's NCCL `WeightTransferClient` for a machine without GPUs: it takes every
+    tensor the trainer streams, as the broadcast would, and keeps their names and values."""
+
+    def __init__(self) -> None:
+        self.pushes: list[dict[str, torch.Tensor]] = []
+
+    def init_weight_transfer(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
+    def send_weights(self, iterator) -> None:
+        self.pushes.append({name: tensor.detach().clone() for name, tensor in iterator})
+
+    def resume(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        pass
+
+
+def _nccl_run(model, engine, checkpoint_dir, out, *, max_steps, state_every, history,
+              resume_from=None):
+    """A CPU trainer whose weights go through `NcclWeightSync` (the transfer itself faked) with
+    resumable state every `state_every` pushes, trained for `max_steps` on synthetic samples."""
+    config = BridgeConfig(model=str(model), output_dir=out, max_steps=max_steps,
+                          token_budget=256, learning_rate=1e-3, state_every=state_every)
+    fake = FakeNcclTransfer()
+    state = StateCheckpoints(model, checkpoint_dir, due=lambda: False, keep=100,
+                             protected=[resume_from] if resume_from else [])
+    worker = ListDeliveryWorker(synthetic_samples(24, 4, seed=max_steps), flush_after_s=1.0)
+    trainer = make_trainer(config, rollout_worker=worker,
+                           weight_transfer=NcclWeightSync(fake, engine.url, state=state))
+    state.due = lambda: trainer.state.global_step % state_every == 0
+    state.add_state = StateWriter(trainer, f"nccl-{max_steps}", history, state_every)
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    return trainer, worker, fake
+
+
+def test_an_nccl_run_writes_state_every_n_pushes_and_resumes_from_it(engine_factory, tmp_path,
+                                                                     monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    model = write_tiny_model(tmp_path / "model")
+    engine = engine_factory()
+    checkpoints = tmp_path / "ckpt"
+    trainer, worker, fake = _nccl_run(model, engine, checkpoints, tmp_path / "a", max_steps=3,
+                                      state_every=2, history={})
+    assert trainer.state.global_step == 3 and len(fake.pushes) == 4  # cold sync + 3 steps
+    # Checkpoints at the pushes of step 0 and step 2 only, each what NCCL sent, with the state.
+    written = sorted(p.name for p in checkpoints.iterdir())
+    assert written == ["policy-000001", "policy-000002"]
+    newest = resume.newest_resumable(checkpoints)
+    assert newest is not None and newest.name == "policy-000002"
+    assert resume.read_history(newest) == {"nccl-3": 2}
+    on_disk = load_file(str(newest / "model.safetensors"))
+    assert on_disk.keys() == fake.pushes[2].keys()
+    assert all(torch.equal(on_disk[name], fake.pushes[2][name]) for name in on_disk)
+
+    # Resumed: from step 2, with its weights and optimizer; steps 3 and 4 trained anew.
+    resumed, worker2, fake2 = _nccl_run(model, engine, checkpoints, tmp_path / "b",
+                                        max_steps=4, state_every=2,
+                                        history=resume.read_history(newest), resume_from=newest)
+    assert resumed.state.global_step == 4
+    assert [step for step, _ in worker2.acknowledged] == [3, 4]
+    # Its cold sync sent the weights it resumed with.
+    assert all(torch.equal(fake2.pushes[0][name], on_disk[name]) for name in on_disk)
+    # Its first checkpoint (the cold push, at step 2) holds the optimizer state it resumed with.
+    first = checkpoints / "policy-000003"
+    old, new = (torch.load(p / "optimizer.pt", weights_only=True) for p in (newest, first))
+    assert old["state"] and old["state"].keys() == new["state"].keys()
+    for key, moments in old["state"].items():
+        for name, value in moments.items():
+            assert torch.equal(value, new["state"][key][name]), (key, name)
+    assert resume.read_history(checkpoints / "policy-000004") == {"nccl-3": 2, "nccl-4": 4}
+    assert "/reset_prefix_cache" in engine.paths()

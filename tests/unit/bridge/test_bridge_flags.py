@@ -32,8 +32,9 @@ FLAGS = [
      'trainer output, progress.jsonl and summary.json (env ROLLTAP_OUTPUT_DIR; default '
      'runs/bridge)'),
     ('--checkpoint-dir', None, False, 'DIR', None,
-     'disk sync: where checkpoints are written for the replicas to load; must be the same '
-     'path on their machines (default OUTPUT_DIR/weights) (env ROLLTAP_CHECKPOINT_DIR)'),
+     'where checkpoints are written (disk sync: for the replicas to load, so the same path on '
+     'their machines; nccl sync: to resume from) (default OUTPUT_DIR/weights) (env '
+     'ROLLTAP_CHECKPOINT_DIR)'),
     ('--num-generations', 8, False, 'G', None,
      'rollouts per group (per task); a group is trained when G of them finished (env '
      'ROLLTAP_NUM_GENERATIONS; default 8)'),
@@ -96,6 +97,13 @@ FLAGS = [
     ('--db-give-up', 600.0, False, 'S', None,
      'seconds of nothing but database errors before the bridge gives up (shorter outages are'
      ' retried with backoff) (env ROLLTAP_DB_GIVE_UP; default 600.0)'),
+    ('--flush-after', 60.0, False, 'S', None,
+     'seconds without a new sample after which the micro-batch the trainer holds is trained as'
+     ' a step although it is not full (the last one of a finite run, or a quiet stretch) (env '
+     'ROLLTAP_FLUSH_AFTER; default 60.0)'),
+    ('--until-empty', False, False, None, None,
+     'end the run once nothing is left to deliver (after training what the trainer holds), '
+     'even before --max-steps (env ROLLTAP_UNTIL_EMPTY; default False)'),
     ('--report-every', 30.0, False, 'S', None,
      'seconds between lines saying what the bridge waits for when no step comes, and why the'
      ' groups it consumed trained nothing (env ROLLTAP_REPORT_EVERY; default 30.0)'),
@@ -105,13 +113,14 @@ FLAGS = [
      'disk sync: newest checkpoints kept; the last is the trained model (env '
      'ROLLTAP_KEEP_CHECKPOINTS; default 2)'),
     ('--resume', False, False, None, None,
-     'disk sync: start from the newest complete checkpoint in --checkpoint-dir (weights, '
-     'optimizer, scheduler, step) and put back in the queue what later steps logged; without'
-     ' one, start from --model (env ROLLTAP_RESUME; default False)'),
+     'start from the newest complete checkpoint in --checkpoint-dir (weights, optimizer, '
+     'scheduler, step) and put back in the queue what later steps logged; without one, start '
+     'from --model (env ROLLTAP_RESUME; default False)'),
     ('--state-every', 1, False, 'N', None,
-     'disk sync: save the optimizer and scheduler with every Nth checkpoint, which makes it '
-     'one to resume from; a crash re-trains at most N steps (raise it on GPUs, where the '
-     'optimizer state is twice the model) (env ROLLTAP_STATE_EVERY; default 1)'),
+     'save the optimizer and scheduler with every Nth checkpoint, which makes it one to resume'
+     ' from (nccl sync: write a checkpoint every Nth push only); a crash re-trains at most N '
+     'steps (raise it on GPUs, where the optimizer state is twice the model) (env '
+     'ROLLTAP_STATE_EVERY; default 1)'),
     ('--pause-lease-seconds', 5.0, False, 'S', None,
      "a weight sync's pause is leased from the gateways for this long and renewed; a bridge "
      'that dies mid-push has its replicas resumed by the gateways once it runs out (env '

@@ -2,12 +2,15 @@
 clock of the test's own)."""
 
 import re
+import uuid
 from collections import Counter
 
 from hypothesis import given
 from hypothesis import strategies as st
 
+from trainer_bridge.handover import Held
 from trainer_bridge.narration import Narrator, Waiting, group_account
+from trainer_bridge.release import Member
 
 
 class Clock:
@@ -46,7 +49,7 @@ def test_a_useless_group_gets_one_line_per_cause_at_most_every_30_s_with_a_count
 def test_a_run_of_useless_groups_warns_every_30_s():
     lines, clock = [], Clock()
     narrator = _narrator(lines, clock, window=3)
-    idle = Waiting(0, 0, 0, 0, 0)
+    idle = Waiting(0, 0)
     for k in range(3):
         narrator.group_released(f"g{k}", 4, 0, {"zero_advantage": 10})
     lines.clear()
@@ -65,11 +68,12 @@ def test_a_run_of_useless_groups_warns_every_30_s():
     assert len(lines) == 1  # a group trained: no warning
 
 
-def test_a_bridge_short_of_a_step_says_what_is_buffered_and_what_a_step_needs():
+def test_a_bridge_short_of_a_step_says_what_the_trainer_holds_and_when_it_trains():
     lines, clock = [], Clock()
     narrator = _narrator(lines, clock)
-    buffered = Waiting(samples=4, tokens=150, longest=40, rollouts=4, groups=1, gathering=2,
-                       gathered=5, deadline_in_s=540)
+    held = Held(samples=4, unique_tokens=61, loss_terms=48, rows_filled=1, rows=1)
+    buffered = Waiting(samples=4, taken=4, gathering=2, gathered=5, deadline_in_s=540,
+                       held=held, flush_in_s=31.4)
     clock.now = 29
     narrator.tick(buffered)
     assert lines == []
@@ -77,37 +81,49 @@ def test_a_bridge_short_of_a_step_says_what_is_buffered_and_what_a_step_needs():
     narrator.tick(buffered)
     [line] = lines
     assert line == (
-        "rolltap bridge: no optimizer step for 30 s. Buffered: 4 samples, 150 tokens, of 4 "
-        "rollouts in 1 groups; a step needs more than --token-budget 256 tokens (short by 107: "
-        "more rollouts, or restart with --token-budget 75 to train on what is here: nothing a "
-        "step has not logged is lost). 2 groups wait for their "
-        "members (5 rollouts finished, --num-generations 4, the first released at "
-        "--group-deadline in 540 s)")
+        "rolltap bridge: no optimizer step for 30 s. The trainer holds a partial micro-batch: "
+        "4 samples, 61 unique tokens and 48 loss terms as TRL's packer counts them (a row "
+        "closes when the next sample would take either past --token-budget 256); it trains as "
+        "it is in 31 s unless a sample arrives first "
+        "(--flush-after 60). 2 groups wait for their members (5 rollouts finished, "
+        "--num-generations 4, the first released at --group-deadline in 540 s).")
     clock.now = 45
     narrator.stepped()
     clock.now = 74
     narrator.tick(buffered)
     assert len(lines) == 1  # a step came 29 s ago
     clock.now = 75
-    narrator.tick(Waiting(0, 0, 0, 0, 0))
-    assert lines[-1].endswith("No finished rollout waits: is the runner producing any?")
+    narrator.tick(Waiting(0, 0))
+    assert lines[-1] == ("rolltap bridge: no optimizer step for 30 s. The trainer holds no "
+                         "sample. No finished rollout waits: is the runner producing any?")
     clock.now = 200
-    narrator.tick(Waiting(4, 150, 40, 4, 1, trainer_waiting=False))  # a long step runs
+    narrator.tick(Waiting(4, 4, trainer_waiting=False))  # a long step runs
     assert len(lines) == 2
+    # Two ranks, one row filled: the micro-batch cannot close, and the line says why.
+    clock.now = 300
+    narrator.tick(Waiting(1, 1, held=Held(1, 20, 10, rows_filled=1, rows=2)))
+    assert lines[-1].endswith("it trains once each of the 2 ranks' rows holds a sample (1 do).")
+    # A full micro-batch waits in accelerate's dispatcher with the open one: said, not mixed in.
+    clock.now = 400
+    narrator.tick(Waiting(22, 22, held=held, flush_in_s=3))
+    assert ("4 samples, 61 unique tokens and 48 loss terms" in lines[-1]
+            and "after a full one of 18 samples that trains first; it trains as it is in 3 s"
+            in lines[-1])
 
 
 def test_a_group_account_sums_its_members_ledgers():
-    members = [{"id": "a", "merge_stats": {"trained_tokens": 5,
-                                           "excluded_by_cause": {"auxiliary": 3}}},
-               {"id": "b", "merge_stats": {"trained_tokens": 0,
-                                           "excluded_by_cause": {"auxiliary": 7}}},
-               {"id": "c", "merge_stats": {"trained_tokens": 4}}]
-    trained, excluded = group_account(members, {"a": 1.0, "b": -1.0}, {"c"},
-                                      [("a", "trained", 5, 0)])
+    a, b, c = (uuid.uuid4() for _ in range(3))
+    members = [Member(id=a, merge_stats={"trained_tokens": 5,
+                                         "excluded_by_cause": {"auxiliary": 3}}),
+               Member(id=b, merge_stats={"trained_tokens": 0,
+                                         "excluded_by_cause": {"auxiliary": 7}}),
+               Member(id=c, merge_stats={"trained_tokens": 4})]
+    trained, excluded = group_account(members, {a: 1.0, b: -1.0}, {c},
+                                      [(a, "trained", 5, 0)])
     assert trained == 5
     assert +excluded == Counter(auxiliary=10, dropped=4)
-    trained, excluded = group_account(members[:2], {"a": 0.0, "b": 0.0}, (),
-                                      [("a", "trained", 5, 0)])
+    trained, excluded = group_account(members[:2], {a: 0.0, b: 0.0}, (),
+                                      [(a, "trained", 5, 0)])
     assert trained == 0 and excluded["zero_advantage"] == 5
 
 

@@ -30,8 +30,8 @@ from stack.serve_model import start_vllm
 from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
 from tests.support.harbor import needs_harbor
 from tests.support.vllm import TINY_MODEL_NAME
+from trainer_bridge.checkpoints import untie_embeddings
 from trainer_bridge.config import match_arg
-from trainer_bridge.weights import untie_embeddings
 
 TASK = REPO / "tests" / "harbor_training" / "alphabet"
 AGENT = "tests.agents.harbor_answer_agent:AnswerAgent"
