@@ -49,8 +49,9 @@ class EngineResponse:
 class _Connection(asyncio.Protocol):
     """One kept-alive connection to a replica, answering one request at a time."""
 
-    def __init__(self, pool: _Idle) -> None:
+    def __init__(self, pool: _Idle, keepalive_s: float) -> None:
         self._pool = pool
+        self._keepalive_s = keepalive_s
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self._head: asyncio.Future[int] | None = None
@@ -157,8 +158,12 @@ class _Connection(asyncio.Protocol):
         if done is None or not done.done() or done.cancelled() or done.exception() is not None:
             self.close()
         elif self.transport is not None and self._keep:
-            self.idle_since = time.monotonic()
-            self._pool.append(self)
+            self.idle_since = now = time.monotonic()
+            pool = self._pool
+            pool.append(self)
+            # Taken newest first, the oldest would wait for a lull: they go as they expire.
+            while now - pool[0].idle_since >= self._keepalive_s:
+                pool.popleft().close()
         else:
             self.close()
 
@@ -224,9 +229,12 @@ class EngineClient:
                 return conn
             conn.close()
         loop = asyncio.get_running_loop()
+        keepalive_s = self._keepalive_s
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: _Connection(idle), host, port)
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(idle, keepalive_s), host, port
+                )
         except OSError as exc:
             key = ConnectionKey(host, port, False, True, None, None, None)
             raise aiohttp.ClientConnectorError(key, exc) from exc

@@ -46,7 +46,10 @@ class Scripted:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         while self.script:
-            head = await reader.readuntil(b"\r\n\r\n")
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:  # the client gave the connection up
+                break
             length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
             self.requests.append(head + await reader.readexactly(length))
             pieces, close = self.script.pop(0)
@@ -136,3 +139,19 @@ def test_errors_are_aiohttps_as_the_exchange_reads_them():
     assert stale_connection(before)
     assert not stale_connection(during)
     assert not stale_connection(refused)
+
+
+def test_a_connection_idle_past_its_keepalive_is_not_reused():
+    async def main():
+        server = Scripted([(ok(), False), (ok(), False)])
+        async with server as base:
+            client = EngineClient(60, 10, keepalive_s=0.01)
+            first = await whole(client, base)
+            await asyncio.sleep(0.1)  # longer than the keepalive: given up, not reused
+            second = await whole(client, base)
+            client.close()
+        return server, [first, second]
+
+    server, answers = asyncio.run(main())
+    assert answers == [(200, ANSWER)] * 2
+    assert server.connections == 2
