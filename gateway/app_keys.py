@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from gateway.admission import Admission
     from gateway.auth import RolloutKeys
     from gateway.config import GatewayConfig
+    from gateway.finalize import MergeWorker
     from gateway.health import DatabaseCheck
     from gateway.metrics import Metrics
     from gateway.pipeline import Pipeline
@@ -35,6 +36,7 @@ RECORDER: web.AppKey[Recorder] = web.AppKey("recorder")
 ADMISSION: web.AppKey[Admission] = web.AppKey("admission")
 DATABASE_CHECK: web.AppKey[DatabaseCheck] = web.AppKey("database_check")
 PIPELINE: web.AppKey[Pipeline] = web.AppKey("pipeline")
+MERGER: web.AppKey[MergeWorker] = web.AppKey("merger")
 
 REQUEST_ID = web.RequestKey("request_id", str)
 # Handlers that learn the rollout (from its key or the URL) leave its id here for the log line.

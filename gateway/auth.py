@@ -8,6 +8,7 @@ a key is never adopted.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
@@ -70,13 +71,17 @@ class RolloutKeys:
     (`listening(False)`: it could miss that news) entries live at most `ttl_s`, otherwise up to
     `listening_ttl_s`. An entry never outlives the rollout's deadline, and a lookup that an end
     may have overtaken is cached for `ttl_s` only. A call that slips through still is not
-    recorded: the database refuses calls of an ended rollout.
+    recorded: the database refuses calls of an ended rollout. A lookup the database does not
+    answer within `wait_s` (the gateway's --commit-wait) fails with a retryable 503: a frozen
+    database must not hold a call.
     """
 
     def __init__(
-        self, pool: asyncpg.Pool, ttl_s: float = 2.0, listening_ttl_s: float = 60.0
+        self, pool: asyncpg.Pool, ttl_s: float = 2.0, listening_ttl_s: float = 60.0,
+        wait_s: float | None = None,
     ) -> None:
         self._pool = pool
+        self._wait_s = wait_s
         self._ttl_s = ttl_s
         self._listening_ttl_s = listening_ttl_s
         self._listening = False
@@ -86,6 +91,10 @@ class RolloutKeys:
         # digest -> why it was refused; kept for good: keys are made here, never adopted, so
         # an unknown key never becomes valid, and an ended or overdue rollout never runs again
         self._refused: OrderedDict[bytes, str] = OrderedDict()
+
+    async def _lookup(self, digest: bytes) -> asyncpg.Record | None:
+        async with self._pool.acquire() as conn:
+            return await rollouts_store.by_key_hash(conn, digest)
 
     def listening(self, yes: bool) -> None:
         """Whether ends of rollouts are heard of now. Either way the cache starts afresh: ends
@@ -118,8 +127,13 @@ class RolloutKeys:
             self._refused.move_to_end(digest)
             raise _refusal(refused)
         ends, listening = self._ends, self._listening
-        async with self._pool.acquire() as conn:
-            row = await rollouts_store.by_key_hash(conn, digest)
+        try:
+            row = await asyncio.wait_for(self._lookup(digest), self._wait_s)
+        except TimeoutError:
+            raise GatewayError(
+                503, f"database stalled: the rollout key could not be checked within "
+                f"{self._wait_s:g} s; retry shortly", "overloaded_error", retry_after=2,
+            ) from None
         why = _why_refused(row)
         if why is not None:
             self._cache.pop(digest, None)

@@ -135,6 +135,14 @@ class GatewayConfig:
     db_command_timeout_s: float = field(default=10.0, metadata=_opt(
         "longest a database statement (a commit of call records included) may take before the "
         "calls waiting on it fail with 503", "SECONDS", type=float))
+    # A frozen database answers nothing, so without a bound a call whose tokens are generated
+    # waits for its commit until the command timeout or its client gives up. Past this bound it
+    # gets a retryable 503 (529 on the Anthropic API), and its record is still committed once
+    # the database is back. Not much shorter: a busy server's commits took over 2 s (above).
+    commit_wait_s: float = field(default=5.0, metadata=_opt(
+        "longest a call waits for its record's commit before it is answered with a retryable "
+        "503 (529 on the Anthropic API); the record is still written when the database "
+        "answers again", "SECONDS", type=float))
     # Past it new calls get 503 (529 on the Anthropic API) with Retry-After rather than
     # queueing without bound.
     max_pending_records: int = field(default=4096, metadata=_opt(
@@ -206,7 +214,7 @@ class GatewayConfig:
         if not self.rollout_max_rps > 0:
             raise ValueError("--rollout-max-rps must be a positive number of calls a second")
         for name in ("probe_interval_s", "ttft_timeout_s", "stream_idle_timeout_s",
-                     "idle_timeout_s", "body_timeout_s"):
+                     "idle_timeout_s", "body_timeout_s", "commit_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{_flag_of(name)} must be a positive number of seconds")
         if not self.drain_timeout_s >= 0:

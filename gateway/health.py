@@ -23,14 +23,23 @@ DATABASE_CHECK_EVERY_S = 1.0
 _DATABASE_TIMEOUT_S = 0.8  # a frozen database must make the answer "down", not no answer
 
 
-async def database_health(pool: asyncpg.Pool, recorder_down: Callable[[], str | None]) -> str:
+async def database_health(pool: asyncpg.Pool, recorder_trouble: Callable[[], str | None]) -> str:
+    """"ok", or "down: why"; a stalled database (a commit waiting past the gateway's bound, or
+    no answer within the command timeout) reads "database stalled" at once: asking a frozen
+    server would only time out."""
+    trouble = recorder_trouble()
+    if trouble is not None and trouble.startswith("database stalled"):
+        return f"down: {trouble}"
     try:
         async with pool.acquire(timeout=_DATABASE_TIMEOUT_S) as conn:
             await conn.fetchval("SELECT 1", timeout=_DATABASE_TIMEOUT_S)
+    except TimeoutError:
+        # Connected, but no answer: a frozen or overwhelmed server, not a stopped one.
+        return f"down: database stalled: no answer within {_DATABASE_TIMEOUT_S} s"
     except (asyncpg.PostgresError, *UNAVAILABLE) as exc:
         return f"down: {str(exc) or type(exc).__name__}"
-    down = recorder_down()
-    return "ok" if down is None else f"down: {down}"
+    trouble = recorder_trouble()
+    return "ok" if trouble is None else f"down: {trouble}"
 
 
 class DatabaseCheck:

@@ -143,6 +143,10 @@ class Metrics:
         self.rollouts = Gauge(
             "rolltap_rollouts", "rollouts in the database by status", ["status"], registry=r
         )
+        self.unscorable = Gauge(
+            "rolltap_rollouts_unscorable", "ended rollouts without a reward, by cause",
+            ["cause"], registry=r,
+        )
         self.forks = Gauge(
             "rolltap_merge_forks", "merged sequences started by each fork cause, by harness",
             ["harness", "cause"], registry=r,
@@ -222,8 +226,10 @@ class Metrics:
     def due_for_database(self) -> bool:
         return time.monotonic() - self._db_read > _DB_REFRESH_S
 
-    def database_values(self, statuses: Iterable, harnesses: Iterable, ledger: Iterable) -> None:
-        """`ledger`: (cause, tokens) summed over consumed rollouts; cause None for trained."""
+    def database_values(self, statuses: Iterable, harnesses: Iterable, ledger: Iterable,
+                        unscorable: Iterable[tuple[str, int]] = ()) -> None:
+        """`ledger`: (cause, tokens) summed over consumed rollouts; cause None for trained.
+        `unscorable`: (cause, rollouts) of the ended rollouts without a reward."""
         self._db_read = time.monotonic()
         self.consumed_tokens.set(0)
         self.excluded_tokens.clear()
@@ -237,6 +243,9 @@ class Metrics:
         self.rollouts.clear()
         for row in statuses:
             self.rollouts.labels(row["status"]).set(row["count"])
+        self.unscorable.clear()
+        for cause, count in unscorable:
+            self.unscorable.labels(cause).set(count)
         self.forks.clear()
         self.lost_tokens.clear()
         for row in harnesses:

@@ -28,7 +28,7 @@ from gateway.continuation.planner import Continuer
 from gateway.continuation.rendering import RenderError
 from gateway.continuation.window import WindowedRenderer
 from gateway.engine_exchange import ReplicaExchange
-from gateway.finalize import merge_rollout
+from gateway.finalize import MergeWorker, merge_rollout
 from gateway.health import DatabaseCheck, database_health
 from gateway.metrics import Metrics
 from gateway.notifications import Notifications
@@ -60,13 +60,14 @@ def _renderer(config: GatewayConfig, upstreams: Upstreams) -> EngineRenderer | C
 
 
 class Runtime:
-    def __init__(self, config: GatewayConfig, pool: asyncpg.Pool) -> None:
+    def __init__(self, config: GatewayConfig, pool: asyncpg.Pool, dsn: str) -> None:
         self.config = config
         self.pool = pool
         self.recorder = Recorder(
             pool,
             max_pending=config.max_pending_records,
             command_timeout_s=config.db_command_timeout_s,
+            commit_wait_s=config.commit_wait_s,
             limits=calls_store.Limits(MAX_CALLS, int(config.rollout_max_stored_mb * (1 << 20))),
         )
         self.upstreams = Upstreams(
@@ -76,10 +77,11 @@ class Runtime:
             probe_interval_s=config.probe_interval_s,
             replica_max_inflight=config.replica_max_inflight,
         )
-        self.keys = RolloutKeys(pool)
+        self.keys = RolloutKeys(pool, wait_s=config.commit_wait_s)
         self.database_check = DatabaseCheck(
-            lambda: database_health(pool, lambda: self.recorder.down))
+            lambda: database_health(pool, self.recorder.trouble))
         self.memory = RolloutMemory(config.recent_calls_mib << 20)
+        self.merger = MergeWorker(dsn)
         self.policy = PolicyVersion()
         self.models = ServedModels(self.upstreams)
         self.admission = Admission(config.max_inflight, config.rollout_max_inflight,
@@ -125,6 +127,7 @@ class Runtime:
         app[app_keys.ADMISSION] = self.admission
         app[app_keys.DATABASE_CHECK] = self.database_check
         app[app_keys.PIPELINE] = self.pipeline
+        app[app_keys.MERGER] = self.merger
         app.cleanup_ctx.append(self._lifecycle)
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
@@ -135,6 +138,7 @@ class Runtime:
         await self.notifications.stop()
         await self.recorder.close()
         await self.upstreams.close()
+        self.merger.close()
 
     async def _start(self) -> None:
         await self.upstreams.open()
@@ -173,6 +177,7 @@ class Runtime:
                 for rollout_id in pending:
                     # A rollout that cannot be merged is marked so by merge_rollout; nothing one
                     # rollout holds may stop the sweep of the others.
-                    await merge_rollout(self.pool, rollout_id, self.config.merge_options)
+                    await merge_rollout(self.merger, rollout_id,
+                                        self.config.merge_options)
             except Exception:  # noqa: BLE001 - the sweeper must outlive any single failure
                 log.exception("deadline sweep failed; retrying")

@@ -65,7 +65,7 @@ async def _serve(cfg) -> None:
             f"rolltap gateway: cannot open database {dsn!r}: {exc}. Check "
             "--database-url (or drop it to use the embedded Postgres)."
         ) from exc
-    app = build_app(Runtime(cfg, pool))
+    app = build_app(Runtime(cfg, pool, dsn))
     if cfg.cpu_account:
         app[PIPELINE].cpu.meter_tasks(asyncio.get_running_loop())
     # keepalive_timeout bounds a connection's wait for a complete request head, from its first

@@ -102,6 +102,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="groups per task (default 1)")
     run.add_argument("--concurrency", type=int, default=4, metavar="C",
                      help="sandboxes running at once (default 4)")
+    run.add_argument("--max-unscorable-share", type=float, default=0.1, metavar="SHARE",
+                     help="warn in the summary when more than this share of the run's "
+                     "rollouts are unscorable (reward null; default 0.1): above it the "
+                     "environment, not the policy, is failing")
     run.add_argument("--max-backlog", type=int, metavar="N",
                      help="with a trainer bridge running: start a rollout only while this "
                           "run's rollouts in flight plus those waiting to be trained are fewer "
@@ -274,7 +278,13 @@ def _findable(harness) -> bool:
 def _summary(args: argparse.Namespace, report, backend) -> list:
     """Print the run's summary table and notes; returns the finished rollouts (with --state,
     those of earlier runs of the state file too)."""
-    from sandbox.summary import format_table, isolation_line, summarize
+    from sandbox.summary import (
+        format_table,
+        isolation_line,
+        summarize,
+        unscorable_lines,
+        unsealed_lines,
+    )
 
     records = list(report.finished)
     if args.state:
@@ -287,6 +297,9 @@ def _summary(args: argparse.Namespace, report, backend) -> list:
     print()
     print(format_table(summarize(records, errors)))
     print(isolation_line(records, args.isolation))
+    for line in [*unsealed_lines(records),
+                 *unscorable_lines(records, args.max_unscorable_share)]:
+        print(line)
     if getattr(backend, "trials_dir", None):
         print(f"Harbor trials: {backend.trials_dir}")
     if report.skipped:

@@ -13,9 +13,19 @@ from urllib.parse import urlencode
 import aiohttp
 import msgspec
 
-from sandbox.backends.base import GatewayStatus, RolloutAccess
-
 RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
+
+GatewayStatus = Literal["finished", "failed", "timeout"]
+
+
+class RolloutAccess(msgspec.Struct, frozen=True):
+    """What the harness gets from the gateway: its rollout's key and the base URLs. Never the
+    admin key."""
+
+    rollout_id: str
+    api_key: str
+    openai_base_url: str
+    anthropic_base_url: str
 
 
 class GatewayError(RuntimeError):

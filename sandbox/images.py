@@ -220,6 +220,41 @@ def pull(ref: str) -> Inspected:
     return found
 
 
+def base_refs(dockerfile: str) -> list[str]:
+    """The images a Dockerfile's stages start FROM, other than its own stages and scratch.
+    Pure."""
+    refs, stages = [], set()
+    for line in dockerfile.splitlines():
+        words = line.split()
+        if len(words) < 2 or words[0].upper() != "FROM":
+            continue
+        args = [w for w in words[1:] if not w.startswith("--")]
+        if args and args[0] not in stages and args[0] != "scratch":
+            refs.append(args[0])
+        if len(args) >= 3 and args[1].upper() == "AS":
+            stages.add(args[2])
+    return refs
+
+
+def qualified(ref: str) -> str:
+    """A short image name as Docker resolves it (debian:bookworm-slim ->
+    docker.io/library/debian:bookworm-slim). Pure."""
+    first, _, rest = ref.partition("/")
+    if not rest:
+        return f"docker.io/library/{ref}"
+    if "." not in first and ":" not in first and first != "localhost":
+        return f"docker.io/{ref}"
+    return ref
+
+
+def missing_base_message(ref: str) -> str:
+    full = qualified(ref)
+    return (f"the Dockerfile's base image {ref} is not on this machine (builds never pull): "
+            f"pull it (`skopeo copy docker://{full} containers-storage:{full}`), tag a local "
+            f"image as it (`podman tag IMAGE {full}`), or make a Debian one offline "
+            f"(`rolltap image base --tag {full}`)")
+
+
 def read_context(directory: str) -> dict[str, tuple[int, bytes]]:
     """The regular files of a build context (relative path -> (mode, content))."""
     root = Path(directory)
@@ -255,9 +290,16 @@ def build(spec: Build) -> Inspected:
         raise ImageError(f"the build context {spec.context} changed since the task was loaded; "
                          f"load the tasks again")
     # chroot isolation: RUN steps need no OCI runtime (crun fails on hybrid cgroups here).
-    _run([_tool("buildah"), "bud", "--quiet", "--isolation", "chroot", "--pull-never",
-          "-t", spec.tag, spec.context], f"building {spec.context}/Dockerfile",
-         BUILD_TIMEOUT_S)
+    try:
+        _run([_tool("buildah"), "bud", "--quiet", "--isolation", "chroot", "--pull-never",
+              "-t", spec.tag, spec.context], f"building {spec.context}/Dockerfile",
+             BUILD_TIMEOUT_S)
+    except ImageError as exc:
+        missing = [ref for ref in base_refs(Path(spec.context, "Dockerfile").read_text())
+                   if ref in str(exc) and "image not known" in str(exc)]
+        if missing:
+            raise ImageError(missing_base_message(missing[0])) from None
+        raise
     found = inspect(spec.tag)
     if found is None:
         raise ImageError(f"buildah built {spec.tag} but containers-storage does not list it")

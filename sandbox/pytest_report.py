@@ -16,6 +16,18 @@ deselection, so that an honest run always runs both.
 Given the task's test files (`keep`) it only collects: the runner does this on the task's own
 files to learn the expected tests, with the solution's modules stubbed (_Stubs).
 
+Under a Harbor task's test.sh (ROLLTAP_SETUP_LINES set; sandbox/harbor/seal.py's shims start it
+for `pytest` and `python -m pytest`) each launcher takes one line of the setup pipe, so that
+every pytest run of the script has its own key; the sentinels run out of sight (their reports
+reach neither the exit status nor the output that test.sh reads); the plugins the image
+installed load as usual; the script's PYTHONPATH is honoured and, for `python -m pytest`, the
+working directory comes last on sys.path, after the standard library and pytest (the solution
+imports, nothing shadows). Without a setup left, pytest runs unsealed, as it would without
+rolltap.
+
+After its end record the launcher leaves with os._exit: no atexit handler, thread or finalizer
+of the tested code runs after the report, so the exit status is the reported one.
+
 What this does not stop: the tested code runs in this process and can reach the key's HMAC
 object and the plugin's state in memory. The runner's checks (expected tests, sentinels, exit
 status) make a forgery need that much, not impossible.
@@ -34,6 +46,9 @@ import sys
 
 KEY_ENV = "ROLLTAP_KEY_FD"
 REPORT_ENV = "ROLLTAP_REPORT_FD"
+LINES_ENV = "ROLLTAP_SETUP_LINES"  # one setup a line, one line a launcher (Harbor's test.sh)
+CWD_ENV = "ROLLTAP_CWD_PATH"  # started for `python -m pytest`: the working directory goes last
+_exit = os._exit  # bound before the tested code can replace it
 PREFIX = b"rolltap-report "
 
 
@@ -70,6 +85,11 @@ def pytest_command(command: str) -> tuple[dict[str, str], list[str]]:
     raise ValueError(accepted)
 
 
+def runs_pytest(command: str) -> bool:
+    """Whether a shell command names pytest (`pytest`, `py.test`, `-m pytest`), anywhere."""
+    return bool(re.search(r"(^|[\s;&|(`/])(py\.test|pytest)(\s|$|;|&|\||\))", command))
+
+
 def seal(mac, seq: int, body: bytes) -> bytes:
     """One record: PREFIX, the JSON body, the hex HMAC of `seq` and the body."""
     h = mac.copy()
@@ -93,6 +113,16 @@ def _read_all(fd: int) -> bytes:
     data = bytearray()
     while chunk := os.read(fd, 65536):
         data += chunk
+    os.close(fd)
+    return bytes(data)
+
+
+def _read_line(fd: int) -> bytes:
+    """One line of a pipe other launchers read after this one: a byte at a time, so that
+    nothing of the next line is taken."""
+    data = bytearray()
+    while (byte := os.read(fd, 1)) and byte != b"\n":
+        data += byte
     os.close(fd)
     return bytes(data)
 
@@ -140,8 +170,10 @@ class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 class _Plugin:
-    def __init__(self, sentinels: list[str], keep: list[str] | None) -> None:
+    def __init__(self, sentinels: list[str], keep: list[str] | None, *, stub: bool = True,
+                 hidden: bool = False) -> None:
         self.sentinels, self.collect = sentinels, keep is not None
+        self.stub, self.hidden = stub and self.collect, hidden
         self.outcomes: dict[str, str] = {}
         self.collection_errors: list[str] = []
         self.stubs = _Stubs(keep or [])
@@ -157,7 +189,7 @@ class _Plugin:
                     setattr(config.option, name, False)
 
     def pytest_collection(self, session):
-        if self.collect:
+        if self.stub:
             sys.meta_path.insert(0, self.stubs)
 
     def pytest_collectreport(self, report):
@@ -166,7 +198,8 @@ class _Plugin:
 
     def pytest_collection_modifyitems(self, session, config, items):
         if self.collect:
-            sys.meta_path.remove(self.stubs)
+            if self.stub:
+                sys.meta_path.remove(self.stubs)
             self.outcomes = {item.nodeid: "collected" for item in items}
             return
         import pathlib
@@ -176,6 +209,16 @@ class _Plugin:
             module = pytest.Module.from_parent(session, path=pathlib.Path(path))
             for item in module.collect():
                 items.insert(random.randrange(len(items) + 1), item)
+
+    def pytest_runtest_protocol(self, item, nextitem):
+        # Out of sight: the runner's sentinels run as any test does, but their reports go to
+        # this plugin only, so the session's exit status and output are the task's tests'.
+        if not self.hidden or str(item.path) not in self.sentinels:
+            return None
+        from _pytest.runner import runtestprotocol
+        for report in runtestprotocol(item, log=False, nextitem=nextitem):
+            self.pytest_runtest_logreport(report)
+        return True
 
     def pytest_runtest_logreport(self, report):
         # One outcome a test: an error in setup or teardown outweighs the call's result;
@@ -192,24 +235,72 @@ class _Plugin:
             self.outcomes[report.nodeid] = outcome
 
 
-def main() -> int:
+def _setup(lines: bool) -> tuple[int | None, dict | None]:
+    """(the report descriptor, the setup) from the runner's pipes; (None, None) without them."""
     key_fd, report_fd = _take(KEY_ENV), _take(REPORT_ENV)
     if key_fd is None or report_fd is None:
+        return None, None
+    raw = _read_line(key_fd) if lines else _read_all(key_fd)
+    if not raw:  # every setup of the verifier phase was taken
+        os.close(report_fd)
+        return None, None
+    return report_fd, json.loads(raw)
+
+
+def _sentinel_file(source: str) -> str:
+    """The sentinels' module, in a directory of this run's own (Harbor: the task's files hold
+    no sentinels)."""
+    import tempfile
+    where = tempfile.mkdtemp(prefix="rolltap-")
+    path = os.path.join(where, "test_" + os.urandom(6).hex() + ".py")
+    with open(path, "w") as fh:
+        fh.write(source)
+    return path
+
+
+def _python_path() -> None:
+    """What -I left out that the script asked for: PYTHONPATH where Python puts it, the
+    working directory (for `python -m pytest`) last."""
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[1:1] = extra
+    if os.environ.pop(CWD_ENV, None):
+        sys.path.append(os.getcwd())
+
+
+def _unsealed() -> int:
+    import pytest
+    return int(pytest.main(sys.argv[1:]))
+
+
+def main() -> int:
+    lines = bool(os.environ.pop(LINES_ENV, None))
+    if lines:
+        _python_path()
+    report_fd, setup = _setup(lines)
+    if setup is None:
+        if lines:
+            return _unsealed()
         print(f"{KEY_ENV} and {REPORT_ENV} must name the runner's pipes", file=sys.stderr)
         return 4
-    setup = json.loads(_read_all(key_fd))
+    assert report_fd is not None
     mac = hmac.new(bytes.fromhex(setup.pop("key")), digestmod="sha256")
     collect = "keep" in setup
     os.write(report_fd, seal(mac, 0, b'{"record": "start"}'))
-    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    if not lines:  # Harbor's tasks load the plugins their image installed (--ctrf, ...)
+        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     import pytest
 
     # Before the stepwise plugin reads its options; the sentinels join the items after every
     # deselection (-k, -m, --deselect), which would otherwise drop them.
     pytest.hookimpl(tryfirst=True)(_Plugin.pytest_configure)
     pytest.hookimpl(trylast=True)(_Plugin.pytest_collection_modifyitems)
+    pytest.hookimpl(tryfirst=True)(_Plugin.pytest_runtest_protocol)
+    sentinels = setup.get("sentinels", [])
+    if "sentinel_source" in setup and not collect:
+        sentinels = [_sentinel_file(setup["sentinel_source"])]
     # Absolute now: the tested code may change directory before the sentinels are collected.
-    plugin = _Plugin([os.path.abspath(p) for p in setup.get("sentinels", [])], setup.get("keep"))
+    plugin = _Plugin([os.path.abspath(p) for p in sentinels], setup.get("keep"),
+                     stub=setup.get("stub", True), hidden=lines)
     args = sys.argv[1:] + (["--collect-only"] if collect else [])
     status = int(pytest.main(args, plugins=[plugin]))
     body = json.dumps({"record": "end", "outcomes": sorted(plugin.outcomes.items()),
@@ -219,6 +310,9 @@ def main() -> int:
     while record:  # an end record of many tests is larger than the pipe's buffer
         record = record[os.write(report_fd, record):]
     os.close(report_fd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    _exit(status)  # nothing of the tested code runs after its report
     return status
 
 

@@ -80,6 +80,20 @@ def gateway_timeout(task: Task) -> float:
     return t.setup_s + t.agent_s + t.verifier_s + GATEWAY_MARGIN_S
 
 
+UNANSWERED = ("unscorable: unanswered: the agent failed before the gateway answered any of "
+              "its calls")
+
+
+def answered_or_unscorable(result: SandboxResult, info: RolloutInfo) -> SandboxResult:
+    """A failed agent's judged result stands once the gateway answered one of its calls (the
+    model's replies made it fail); without one, the failure is outside the policy's reach (the
+    harness never started, the gateway refused): unscorable. Pure."""
+    if any(call.status == "ok" for call in info.calls):
+        return result
+    return msgspec.structs.replace(result, status="setup_failed", reward=None,
+                                   reward_detail=f"{UNANSWERED} ({result.reward_detail})")
+
+
 class _Run:
     """One run_rollouts call: workers pulling rollouts from a shared plan."""
 
@@ -267,7 +281,8 @@ class _Run:
             await self.abort(item, rid, started)
             return
         except Exception as exc:  # a backend failure is this rollout's, not the run's
-            await _finish_quietly(self.admin, rid, {"sandbox_error": repr(exc)})
+            await _finish_quietly(self.admin, rid, {"sandbox_error": repr(exc),
+                                                   "unscorable_cause": "sandbox_error"})
             if self.state:  # ended: a resumed run must not put a second rollout in its group
                 self.state.append(failed_record(item, rid, f"sandbox: {exc!r}",
                                                 time.monotonic() - started))
@@ -289,6 +304,11 @@ class _Run:
     async def complete(
         self, item: WorkItem, rid: str, result: SandboxResult, started: float
     ) -> None:
+        if result.agent_failed:
+            try:
+                result = answered_or_unscorable(result, await self.admin.get_rollout(rid))
+            except GatewayError:
+                pass  # judged by its work, as the backend said
         try:
             await self.admin.finish_rollout(
                 rid, reward=result.reward, status=result.gateway_status,

@@ -96,3 +96,11 @@ class StateFile:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def unscorable_cause(detail: str, status: str) -> str:
+    """Why a rollout has no reward, in a word: the cause its detail names after
+    `unscorable:` (Harbor's failure cause, `unanswered`), else its sandbox status. Pure."""
+    if detail.startswith("unscorable: "):
+        return detail.removeprefix("unscorable: ").split(":", 1)[0].strip() or "unscorable"
+    return status

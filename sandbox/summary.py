@@ -8,7 +8,8 @@ from typing import Any
 
 import msgspec
 
-from sandbox.state import FinishedRollout
+from sandbox.harbor.protocol import UNSEALED
+from sandbox.state import FinishedRollout, unscorable_cause
 
 SHOWN_REWARDS = 16
 
@@ -124,3 +125,28 @@ def error_line(task_id: str, repeat: int, member: int, message: str, done: int,
                total: int) -> str:
     width = len(str(total))
     return f"[{done:>{width}}/{total}] {task_id} r{repeat} m{member}  ERROR    {message}"
+
+
+def unsealed_lines(records: Iterable[FinishedRollout]) -> list[str]:
+    """One line a task whose verdict its tested code could change (a Harbor task whose
+    verifier runs no sealed pytest), so that a user knows which rewards to trust."""
+    tasks = sorted({r.task_id for r in records if UNSEALED in r.reward_detail})
+    return [f"{task}: {UNSEALED}" for task in tasks]
+
+
+def unscorable_lines(records: Iterable[FinishedRollout], max_share: float) -> list[str]:
+    """The unscorable rollouts by cause, and a warning above `max_share` of the run: an
+    unscorable rollout leaves its group's baseline, so many of them skew what is learnt."""
+    rows = list(records)
+    causes = Counter(unscorable_cause(r.reward_detail, r.sandbox_status)
+                     for r in rows if r.reward is None)
+    if not causes:
+        return []
+    total = sum(causes.values())
+    lines = [f"unscorable: {total} of {len(rows)} ("
+             + ", ".join(f"{cause}: {n}" for cause, n in causes.most_common()) + ")"]
+    if total > max_share * len(rows):
+        lines.append(f"WARNING: {total / len(rows):.0%} of the rollouts are unscorable, above "
+                     f"--max-unscorable-share {max_share:g}: the environment is failing, not "
+                     "the policy; see each rollout's cause")
+    return lines

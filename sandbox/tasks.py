@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from sandbox.images import Build, ImageError, load_build
-from sandbox.pytest_report import pytest_command
+from sandbox.pytest_report import pytest_command, runs_pytest
 
 RewardKind = Literal["pytest", "binary", "script"]
 TaskId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)]
@@ -219,6 +219,11 @@ def resolve_task(spec: TaskSpec, base: Path, source: str, lineno: int) -> Task:
     )
     if not spec.verifier.command.strip():
         raise _line_error(source, lineno, 'field "verifier.command": must not be empty')
+    if spec.verifier.reward == "binary" and runs_pytest(spec.verifier.command):
+        raise _line_error(source, lineno, 'field "verifier.reward": "binary" trusts the exit '
+                          "status, which the tested code controls (os._exit(0) at import "
+                          'passes): a pytest command takes reward "pytest", which runs it '
+                          "sealed")
     if spec.verifier.reward == "pytest":
         try:
             pytest_command(spec.verifier.command)

@@ -15,7 +15,8 @@ Reward kinds:
   before its report (the tested code exited, crashed, or ran out of a resource), or that was
   interrupted (KeyboardInterrupt, `pytest.exit`, tests that do not collect), scores 0.
 - `binary`: 1.0 if the command exits 0, else 0.0. It trusts the exit status, which the tested
-  code controls (`os._exit(0)` at import passes).
+  code controls (`os._exit(0)` at import passes): a task file that gives it a pytest command
+  is refused (tasks.py), saying to use `pytest`.
 - `script`: the number the command prints on its last non-empty stdout line; it trusts whatever
   the command prints, which the tested code can print too.
 
@@ -144,15 +145,19 @@ def _file(nodeid: str) -> str:
 
 
 def judge(end: End, exit_code: int | None, expected: frozenset[str],
-          sentinels: Sentinels) -> Counts:
+          sentinels: Sentinels, *, hidden: bool = False) -> Counts:
     """The expected tests that passed, from a whole end record. Raises Tampered where the
-    record contradicts itself, the process, the expected tests or the sentinels. Pure."""
+    record contradicts itself, the process, the expected tests or the sentinels. `hidden`:
+    the sentinels ran out of the session's sight (Harbor), so their outcomes are not in its
+    exit status. Pure."""
     outcomes = dict(end.outcomes)
     if len(outcomes) != len(end.outcomes):
         raise Tampered("a test reported twice")
     if end.exitstatus != exit_code:
         raise Tampered(f"exit code {exit_code} but the report says {end.exitstatus}")
-    if end.exitstatus == 0 and {"failed", "error"} & set(outcomes.values()):
+    ours = (sentinels.passing, sentinels.failing) if hidden else ()
+    if end.exitstatus == 0 and {"failed", "error"} & {
+            o for t, o in outcomes.items() if t.rpartition("::")[2] not in ours}:
         raise Tampered("exit status 0 with failed tests")
     if "collected" in outcomes.values():
         raise Tampered("a collection record in a test run")
@@ -248,7 +253,7 @@ def score_command(kind: RewardKind, outcome: ProcessOutcome) -> Scored:
     return Scored(value, "script output")
 
 
-def _drain(fd: int) -> bytes:
+def drain(fd: int) -> bytes:
     """Everything written to the pipe until every writer is gone, keeping CHANNEL_LIMIT + 1
     bytes at most (enough to tell too much)."""
     kept = bytearray()
@@ -275,7 +280,7 @@ async def launch(run: Run, command: str, python: str, sentinel: str | None = Non
     # Written from a thread: a task of many files may not fit the pipe's buffer.
     writer = asyncio.ensure_future(asyncio.to_thread(_feed, key_w, msgspec.json.encode(setup)))
     read_fd, write_fd = os.pipe()
-    reader = asyncio.ensure_future(asyncio.to_thread(_drain, read_fd))
+    reader = asyncio.ensure_future(asyncio.to_thread(drain, read_fd))
     extra = {**env, pytest_report.KEY_ENV: str(key_r), pytest_report.REPORT_ENV: str(write_fd)}
     try:
         outcome = await run([python, "-I", LAUNCHER, *args], extra, (key_r, write_fd))

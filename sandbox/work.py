@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from sandbox.backends.base import SandboxResult
-from sandbox.continuous import TaskSampler
-from sandbox.gateway_client import RolloutInfo
 from sandbox.state import FinishedRollout, Key
 from sandbox.summary import trained_tokens
 from sandbox.tasks import Task
+
+if TYPE_CHECKING:
+    from sandbox.backends.base import SandboxResult
+    from sandbox.continuous import TaskSampler
+    from sandbox.gateway_client import RolloutInfo
 
 
 class WorkItem(msgspec.Struct, frozen=True):

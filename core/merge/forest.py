@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from core.merge import forks as fork_search
 from core.merge.values import CallTokens, MergedSequence, MergeOptions
 
 if TYPE_CHECKING:
@@ -51,8 +52,11 @@ class Forest:
             if self.first_sampled[i] == _NONE and packed.C[i]:
                 self.first_sampled[i] = packed.P[i]
         self.cause: list[str] = [""] * n
+        own = self.fork_causes(self._forks())
         for i in self.preorder:
-            self.cause[i] = self._fork_cause(i)
+            up = parent[i]
+            self.cause[i] = own[i] if i in own else (
+                "abandoned" if self.abandoned[i] else self.cause[up])
 
     def _group_retries(self, siblings: list[int]) -> None:
         by_prompt: dict[bytes, list[int]] = {}
@@ -63,41 +67,23 @@ class Forest:
             self.abandoned[[m for m in group if m not in kept]] = True
             self.anchor[kept[0]] = group[0]
 
-    def _fork_cause(self, i: int) -> str:
-        """Own fork cause, or the inherited one when the call continues its parent's path."""
-        if self.abandoned[i]:
-            return "abandoned"
-        up = self.parent[i]
-        if up >= 0 and i == self.continuation[up]:
-            return self.cause[up]
-        return self._classify(i)
+    def _forks(self) -> list[int]:
+        """Calls with a cause of their own: not abandoned, and not their parent's continuation
+        (which inherits its parent's)."""
+        return [i for i in self.preorder if not self.abandoned[i] and not (
+            self.parent[i] >= 0 and i == self.continuation[self.parent[i]])]
 
-    def _classify(self, f: int) -> str:
-        packed, anchor = self.packed, int(self.anchor[f])
-        if anchor == 0:
-            return "start"
-        reach = np.minimum(self.prefixes.row(f)[:anchor], packed.P[f])
-        p = int(reach.max())
-        tied = np.flatnonzero(reach == p)
-        is_tied = np.zeros(packed.F.size, dtype=bool)
-        is_tied[tied] = True
-        up = np.maximum(self.parent[tied], 0)
-        # A tied call whose parent ties too and still covers position p has the parent's tokens
-        # and origin there: only the topmost tied calls need a look.
-        inherited = (self.parent[tied] >= 0) & is_tied[up] & (packed.F[up] > p)
-        looked = tied[~inherited]
-        # Most own position p themselves; only the rest climb to the call that does.
-        climbs = (self.parent[looked] >= 0) & (packed.F[np.maximum(self.parent[looked], 0)] > p)
-        owners = looked[~climbs].tolist()
-        for r in looked[climbs]:
-            owner = r
-            while self.parent[owner] >= 0 and packed.F[self.parent[owner]] > p:
-                owner = self.parent[owner]
-            owners.append(owner)
-        owners = np.array(owners, dtype=np.int64)
-        if ((packed.P[owners] <= p) & (p < packed.F[owners])).any():
-            return "drift"
-        return "rewrite" if (self.first_sampled[looked] < p).any() else "independent"
+    def fork_causes(self, forks: list[int]) -> dict[int, str]:
+        """The cause of each fork (core.merge.forks)."""
+        parent = self.parent.tolist()
+        subtree_min = list(range(len(parent)))
+        for i in reversed(self.preorder):
+            up = parent[i]
+            if up >= 0 and subtree_min[i] < subtree_min[up]:
+                subtree_min[up] = subtree_min[i]
+        return fork_search.classify(
+            forks, self.anchor, self.prefixes.order, self.prefixes.adjacent, self.packed.P,
+            self.packed.F, self.first_sampled, np.array(subtree_min, dtype=np.int64))
 
     def leaf_paths(self) -> list[list[int]]:
         """Root-to-leaf paths in depth-first order, earliest fork first."""

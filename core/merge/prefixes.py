@@ -129,12 +129,3 @@ class Prefixes:
         self.adjacent = np.zeros(n, dtype=np.int64)  # [k]: sorted k-1 with sorted k
         for k in range(1, n):
             self.adjacent[k] = common_prefix_len(packed.full(order[k - 1]), packed.full(order[k]))
-
-    def row(self, i: int) -> np.ndarray:
-        """The common-prefix length of call i's full sequence with every call's (i's own: F)."""
-        k, n = int(self.rank[i]), self.F.size
-        by_rank = np.empty(n, dtype=np.int64)
-        by_rank[k] = self.F[i]
-        by_rank[:k] = np.minimum.accumulate(self.adjacent[1 : k + 1][::-1])[::-1]
-        by_rank[k + 1 :] = np.minimum.accumulate(self.adjacent[k + 1 :])
-        return by_rank[self.rank]

@@ -9,7 +9,7 @@ from uuid import UUID
 import msgspec
 import numpy as np
 
-from core.store import bodies
+from core.store import bodies, values
 from core.store.tokens import (
     StoredTokens,
     chain_ids,
@@ -102,7 +102,35 @@ class Limits(NamedTuple):
 NO_LIMITS = Limits(2**31 - 1, 2**63 - 1)
 
 
+# Columns a client's value can reach: text, and jsonb.
+_TEXT = ("protocol", "status", "finish_reason", "model", "upstream", "error", "user_agent",
+         "response_id", "rerouted")
+_JSON = ("requested", "applied", "continuation")
+
+
+def storable_record(r: CallRecord) -> CallRecord:
+    """`r` with every text and jsonb value made storable (core.store.values.storable), so no
+    value a client sent can make the commit fail; the columns that changed are listed in
+    applied["escaped"]."""
+    fields = msgspec.structs.asdict(r)
+    changed: dict[str, Any] = {}
+    for name in _TEXT:
+        if fields[name] is not None:
+            fixed, n = values.storable_text(fields[name])
+            if n:
+                changed[name] = fixed
+    for name in _JSON:
+        fixed, n = values.storable(fields[name])
+        if n:
+            changed[name] = fixed
+    if not changed:
+        return r
+    changed["applied"] = {**changed.get("applied", r.applied), "escaped": sorted(changed)}
+    return msgspec.structs.replace(r, **changed)
+
+
 def insert_args(r: CallRecord, limits: Limits = NO_LIMITS) -> tuple[object, ...]:
+    r = storable_record(r)
     return (
         r.id,
         r.rollout_id,

@@ -153,6 +153,15 @@ async def count_by_status(conn: Conn) -> list[asyncpg.Record]:
     return await conn.fetch("SELECT status, count(*) AS count FROM rollouts GROUP BY status")
 
 
+async def unscorable_by_cause(conn: Conn) -> list[tuple[str, int]]:
+    """Ended rollouts without a reward, by the cause the runner gave (metrics'
+    `unscorable_cause`; `unknown` where it gave none)."""
+    rows = await conn.fetch(
+        "SELECT coalesce(metrics->>'unscorable_cause', 'unknown') AS cause, count(*) AS count"
+        " FROM rollouts WHERE reward IS NULL AND status <> 'running' GROUP BY 1")
+    return [(row["cause"], row["count"]) for row in rows]
+
+
 async def ledger_totals(conn: Conn) -> list[tuple[str | None, int]]:
     """Tokens of consumed rollouts (core/store/ledger.py): (None, trained) and (cause,
     excluded) for each cause any ledger names."""

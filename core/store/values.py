@@ -1,8 +1,10 @@
-"""What Postgres will store: checks for values bound for jsonb and text columns.
+"""What Postgres will store: checks and the one sanitiser for values bound for jsonb and text.
 
-Postgres refuses U+0000 in text and jsonb, numbers jsonb cannot hold, and nesting beyond its
-stack; a value that reaches it unchecked fails the whole statement. These pure checks run at
-the edge, so bad input gets a 400 naming the field instead.
+Postgres refuses U+0000 in text and jsonb, lone surrogates, numbers jsonb cannot hold, and
+nesting beyond its stack; a value that reaches it unchecked fails the whole statement. `problem`
+runs at the edge, where a field the gateway acts on gets a 400 naming it; `storable` runs on
+everything written (a call's row, a finish's metrics), so what passed the edge can never fail a
+commit: it is escaped, and the record says so.
 """
 
 from __future__ import annotations
@@ -49,26 +51,60 @@ def _scalar_problem(value: Any, where: str) -> str | None:
     return None
 
 
-def without_nul(value: Any) -> tuple[Any, int]:
-    """`value` with every U+0000 in its strings (keys too) removed, and how many were."""
+# What takes the place of a character Postgres cannot store (U+0000, a lone surrogate).
+REPLACEMENT = "\ufffd"
+# Integers whose decimal form Python refuses to write (its 4,300-digit guard) are beyond this.
+_MAX_INT_BITS = 14_000
+
+
+def storable(value: Any, depth: int = 0) -> tuple[Any, int]:
+    """`value` as jsonb will take it whatever it holds, and how many places had to change.
+
+    The one sanitiser of what the gateway writes: a U+0000 or a lone surrogate in a string (keys
+    too) becomes U+FFFD, a number jsonb cannot hold (infinite, NaN, too many digits) and nesting
+    deeper than MAX_DEPTH become null. Records say when the count is not 0 ("escaped"), so a
+    changed value is never mistaken for what the client sent.
+    """
     if isinstance(value, str):
-        n = value.count("\x00")
-        return (value.replace("\x00", ""), n) if n else (value, 0)
+        return storable_text(value)
     if isinstance(value, dict):
-        out, total = {}, 0
+        if depth >= MAX_DEPTH:
+            return None, 1
+        out: dict[Any, Any] = {}
+        total = 0
         for key, item in value.items():
-            key, k = without_nul(key)
-            out[key], n = without_nul(item)
-            total += k + n
+            if isinstance(key, str):
+                key, k = storable_text(key)
+                total += k
+            out[key], n = storable(item, depth + 1)
+            total += n
         return out, total
-    if isinstance(value, list):
-        items = [without_nul(item) for item in value]
+    if isinstance(value, (list, tuple)):
+        if depth >= MAX_DEPTH:
+            return None, 1
+        items = [storable(item, depth + 1) for item in value]
         return [v for v, _ in items], sum(n for _, n in items)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, 1
+    if isinstance(value, int) and not isinstance(value, bool) and (
+            value.bit_length() > _MAX_INT_BITS):
+        return None, 1
     return value, 0
 
 
+def storable_text(text: str) -> tuple[str, int]:
+    """`text` as a text column takes it (see `storable`), and how many characters changed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        fixed = "".join(REPLACEMENT if "\ud800" <= c <= "\udfff" else c for c in text)
+        changed = sum(a != b for a, b in zip(text, fixed, strict=True))
+        text, more = storable_text(fixed)
+        return text, changed + more
+    n = text.count("\x00")
+    return (text.replace("\x00", REPLACEMENT), n) if n else (text, 0)
+
+
 def clean_text(text: str | None) -> str | None:
-    """Text the gateway itself stores (engine messages, headers): NUL replaced, not refused."""
-    if text is None or "\x00" not in text:
-        return text
-    return text.replace("\x00", "\ufffd")
+    """Text the gateway itself stores (engine messages, headers), made storable (`storable`)."""
+    return None if text is None else storable_text(text)[0]

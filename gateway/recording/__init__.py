@@ -10,6 +10,7 @@ later calls of its rollout (or, through a shared batch, of others) fail too.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections import OrderedDict
@@ -24,11 +25,10 @@ from core.merge.prefixes import best_base
 from core.store import bodies
 from core.store import calls as calls_store
 from core.store.db import UNAVAILABLE
-from core.store.values import clean_text
 from gateway import engine_ids
 from gateway.call_values import Outcome, ParsedCall
 from gateway.protocols.errors import GatewayError
-from gateway.recording.recorder import Recorder, Unavailable
+from gateway.recording.recorder import Recorder, Stalled, Unavailable
 from gateway.rollout_memory import RolloutMemory
 
 if TYPE_CHECKING:
@@ -88,16 +88,18 @@ class Recording:
         rollout_id = out.rollout_id
         res, req, turn = out.result, out.request, out.plan
         prompt, completion = res.prompt, res.completion
-        try:
-            candidates = self._recent.get(rollout_id)
-            if candidates is None:
-                async with self._pool.acquire() as conn:
-                    candidates = await calls_store.recent_full_ids(
-                        conn, rollout_id, self._recent.per_rollout
-                    )
-                self._recent.load(rollout_id, candidates)
-        except _DB_ERRORS as exc:
-            raise _failure(exc) from exc
+        candidates = self._recent.get(rollout_id)
+        if candidates is None:
+            try:
+                # Within the commit's bound too: a frozen database must not hold the call here.
+                candidates = await asyncio.wait_for(
+                    self._read_recent(rollout_id), self.recorder.commit_wait_s)
+            except TimeoutError:
+                raise _failure(Stalled("database stalled: the rollout's earlier calls could "
+                                       "not be read")) from None
+            except _DB_ERRORS as exc:
+                raise _failure(exc) from exc
+            self._recent.load(rollout_id, candidates)
         opens = None
         if turn is not None:
             candidates = turn.candidates(candidates)
@@ -129,7 +131,7 @@ class Recording:
             completion_ids=completion.tobytes(),
             logprobs=res.logprobs.tobytes(),
             versions=res.versions.tobytes(),
-            finish_reason=clean_text(res.finish_reason),
+            finish_reason=res.finish_reason,
             offered_tools=req.offered_tools,
             model=req.model,
             requested=req.requested,
@@ -143,8 +145,8 @@ class Recording:
             upstream=res.upstream,
             latency_ms=out.latency_ms,
             ttft_ms=res.ttft_ms,
-            error=clean_text(out.error),
-            user_agent=clean_text(req.user_agent),
+            error=out.error,
+            user_agent=req.user_agent,
             response_id=response_id,
             continuation=msgspec.to_builtins(turn.record) if turn else None,
             reply_keys=reply_keys,
@@ -182,6 +184,10 @@ class Recording:
             self._replies.add(rollout_id, out.call_id, reply_keys)
         self._on_recorded(rec)
         return rec
+
+    async def _read_recent(self, rollout_id: uuid.UUID) -> list[tuple[uuid.UUID, np.ndarray]]:
+        async with self._pool.acquire() as conn:
+            return await calls_store.recent_full_ids(conn, rollout_id, self._recent.per_rollout)
 
     def _request_body(
         self, rollout_id: uuid.UUID, base_id: uuid.UUID | None, req: ParsedCall
@@ -225,6 +231,14 @@ def _failure(exc: BaseException) -> GatewayError:
             "this rollout has ended (finished or past its deadline) while the call ran; the "
             "call was not recorded",
             code="rollout_ended",
+        )
+    if isinstance(exc, Stalled):
+        return GatewayError(
+            503,
+            f"the call's record was not committed within the gateway's --commit-wait ({exc}); "
+            "it will be written when the database answers again: retry shortly",
+            "overloaded_error",
+            retry_after=RETRY_AFTER_S,
         )
     if isinstance(exc, (Unavailable, *UNAVAILABLE)):
         return GatewayError(

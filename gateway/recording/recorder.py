@@ -9,6 +9,13 @@ A batch the database refuses is written again row by row, so one bad row fails o
 call. The queue is bounded and the writer knows when the database is unreachable: `admit()`
 then turns new calls away at once, before the engine spends time on them, and the writer probes
 the database until it answers again.
+
+The wait for a commit is bounded (`commit_wait_s`): a frozen database answers nothing, and a call
+must not hang on it. A call whose commit does not come in time is answered `Stalled`, and new calls
+are turned away while the commit in flight is that late. A record whose commit failed because the
+database was away or stalled is held and written once it answers again (its primary key makes a
+second write of a row that did commit a refusal, not a duplicate): its client was told to retry,
+the engine's work is still on record, and the merge reads the retry as one.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
@@ -45,7 +53,12 @@ class RecorderStats:
 
 
 class Unavailable(Exception):
-    """The database could not be reached or did not answer in time; the row is not stored."""
+    """The database could not be reached or did not answer in time; the row is held and written
+    once it answers again."""
+
+
+class Stalled(Unavailable):
+    """The commit did not come within the bound; the row is written once the database answers."""
 
 
 class Recorder:
@@ -56,6 +69,7 @@ class Recorder:
         max_pending: int = 4096,
         command_timeout_s: float | None = None,
         limits: calls_store.Limits = calls_store.NO_LIMITS,
+        commit_wait_s: float | None = None,
     ) -> None:
         self._pool = pool
         self._limits = limits
@@ -67,6 +81,11 @@ class Recorder:
         )
         self._writer: asyncio.Task[None] | None = None
         self._in_flight = 0
+        self.commit_wait_s = commit_wait_s
+        self._writing_since: float | None = None  # when the commit in flight began
+        # Records whose commit failed while the database was away, to write when it is back.
+        self._held: deque[calls_store.CallRecord] = deque()
+        self.dropped = 0  # held records given up: more than max_pending were held
         self._dropping: set[asyncio.Task[None]] = set()
         self.stats = RecorderStats()
         # Why the database is unusable, or None; set by a failed commit, cleared by a commit
@@ -76,8 +95,8 @@ class Recorder:
 
     @property
     def pending(self) -> int:
-        """Records waiting for their commit: queued, and in the transaction in flight."""
-        return self._queue.qsize() + self._in_flight
+        """Records waiting for their commit: queued, held, and in the transaction in flight."""
+        return self._queue.qsize() + len(self._held) + self._in_flight
 
     def start(self) -> None:
         self._writer = asyncio.create_task(self._write_forever(), name="rolltap-recorder")
@@ -94,10 +113,22 @@ class Recorder:
             pass
         self._writer = None
 
+    def trouble(self) -> str | None:
+        """Why the database cannot take records now (away, or stalled), or None."""
+        if self.down is not None:
+            return self.down
+        since = self._writing_since
+        if since is not None and self.commit_wait_s is not None:
+            waited = time.monotonic() - since
+            if waited > self.commit_wait_s:
+                return f"database stalled: a commit has waited {waited:.1f} s"
+        return None
+
     def busy(self) -> str | None:
         """Why a new call should not start now, or None."""
-        if self.down is not None:
-            return f"database unavailable ({self.down})"
+        trouble = self.trouble()
+        if trouble is not None:
+            return f"database unavailable ({trouble})"
         if self.pending >= self.max_pending:
             return f"{self.pending} call records wait for the database"
         return None
@@ -106,26 +137,46 @@ class Recorder:
         """Returns once `rec` is committed; raises `Unavailable`, or the database's error for
         this row, if it was not."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(_heard)
         self._queue.put_nowait((rec, fut))
-        # Shielded: a client that goes away must not cancel the commit of its own call.
-        await asyncio.shield(fut)
+        # Shielded: a client that goes away (or a wait past the bound) must not cancel the
+        # commit of its own call.
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.commit_wait_s)
+        except TimeoutError:
+            raise Stalled(f"database stalled: the record was not committed within "
+                          f"{self.commit_wait_s:g} s") from None
 
     async def _next_batch(self) -> list[tuple[calls_store.CallRecord, asyncio.Future[None]]]:
         while self.down is not None:
             # Records that arrive while the database is away fail at once (their calls get
             # 503 now, not after another timeout); a probe decides when it is back.
             while not self._queue.empty():
-                _, fut = self._queue.get_nowait()
+                rec, fut = self._queue.get_nowait()
+                self._hold(rec)
                 _settle(fut, Unavailable(self.down))
                 self._queue.task_done()
             await self._probe()
             # pyright keeps the loop's narrowing to str across the await; _probe() resets it.
             if self.down is not None:  # pyright: ignore[reportUnnecessaryComparison]
                 await asyncio.sleep(_PROBE_INTERVAL_S)
-        batch = [await self._queue.get()]
+        batch: list[tuple[calls_store.CallRecord, asyncio.Future[None]]] = []
+        while self._held and len(batch) < self._max_batch:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(_heard)
+            self._queue.put_nowait((self._held.popleft(), fut))
+        batch.append(await self._queue.get())
         while len(batch) < self._max_batch and not self._queue.empty():
             batch.append(self._queue.get_nowait())
         return batch
+
+    def _hold(self, rec: calls_store.CallRecord) -> None:
+        if len(self._held) >= self.max_pending:
+            self.dropped += 1
+            log.error("call record %s dropped: more than %d records wait for the database",
+                      rec.id, self.max_pending)
+            return
+        self._held.append(rec)
 
     async def _probe(self) -> None:
         try:
@@ -146,6 +197,7 @@ class Recorder:
             while True:
                 batch = await self._next_batch()
                 self._in_flight = len(batch)
+                self._writing_since = time.monotonic()
                 started = time.perf_counter()
                 try:
                     if conn is None:
@@ -159,7 +211,9 @@ class Recorder:
                     self.down = _reason(exc)
                     # The waiting calls hear first: dropping a connection to a frozen server
                     # can itself take until the timeout.
-                    for _, fut in batch:
+                    for rec, fut in batch:
+                        if isinstance(exc, UNAVAILABLE) and not fut.done():
+                            self._hold(rec)
                         _settle(fut, Unavailable(self.down))
                     if conn is not None:
                         # In the background, for the same reason.
@@ -178,6 +232,7 @@ class Recorder:
                         self.on_commit(len(batch), elapsed)
                 finally:
                     self._in_flight = 0
+                    self._writing_since = None
                     for _ in batch:
                         self._queue.task_done()
         finally:
@@ -231,7 +286,17 @@ def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
         fut.set_exception(exc)
 
 
+def _heard(fut: asyncio.Future[None]) -> None:
+    """Marks a record's outcome as heard: its waiter may have left (answered `Stalled`, or a
+    held record has none), and asyncio would log an exception nobody retrieved."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 def _reason(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        # Connected, but no answer: a frozen or overwhelmed server, not a stopped one.
+        return "database stalled: no answer within --db-command-timeout"
     return str(exc) or type(exc).__name__
 
 

@@ -7,8 +7,10 @@ from typing import Literal, Protocol
 
 import msgspec
 
+from sandbox.gateway_client import GatewayStatus, RolloutAccess
 from sandbox.presets import Harness
 from sandbox.process import ProcessOutcome
+from sandbox.state import unscorable_cause
 from sandbox.tasks import Task
 from sandbox.verifier import VerifierResult
 
@@ -19,19 +21,8 @@ SandboxStatus = Literal["ok", "crashed", "timeout", "setup_failed", "tampered"]
 # bwrap: every phase confined (confine.py). none: the explicit opt-out, shown in the summary.
 # harbor: a Harbor backend other than rolltap's own (podman, Daytona, ...) confines it.
 Isolation = Literal["bwrap", "none", "harbor"]
-GatewayStatus = Literal["finished", "failed", "timeout"]
 
 ERROR_TAIL = 2000
-
-
-class RolloutAccess(msgspec.Struct, frozen=True):
-    """What the harness gets from the gateway: its rollout's key and the base URLs. Never the
-    admin key."""
-
-    rollout_id: str
-    api_key: str
-    openai_base_url: str
-    anthropic_base_url: str
 
 
 class SandboxRequest(msgspec.Struct, frozen=True):
@@ -58,6 +49,9 @@ class SandboxResult(msgspec.Struct, frozen=True):
     warnings: tuple[str, ...] = ()
     # Backend-specific facts for the rollout's metrics (Harbor: phases, extra reward keys).
     extra_metrics: dict = {}
+    # The agent failed and its work was judged: that holds only if the gateway answered one of
+    # its calls (the model's doing); else the runner makes it unscorable (the infrastructure's).
+    agent_failed: bool = False
 
     @property
     def gateway_status(self) -> GatewayStatus:
@@ -70,6 +64,8 @@ class SandboxResult(msgspec.Struct, frozen=True):
         did without the sandbox."""
         m: dict = {"sandbox_status": self.status, "reward_detail": self.reward_detail,
                    "host": self.host, "isolation": self.isolation}
+        if self.reward is None:  # counted by cause at the gateway (/metrics)
+            m["unscorable_cause"] = unscorable_cause(self.reward_detail, self.status)
         if self.warnings:
             m["warnings"] = list(self.warnings)
         m |= self.extra_metrics

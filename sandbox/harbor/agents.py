@@ -14,6 +14,7 @@ import os
 import shlex
 from pathlib import Path
 
+from harbor.agents.installed.codex import Codex as HarborCodex
 from harbor.agents.installed.mini_swe_agent import MiniSweAgent as HarborMiniSweAgent
 from harbor.agents.installed.opencode import OpenCode as HarborOpenCode
 from harbor.agents.installed.pi import Pi as HarborPi
@@ -88,5 +89,25 @@ class MiniSweAgent(HarborMiniSweAgent):
             wheels=wheels, dependencies=shlex.join(MINI_SWE_AGENT_DEPENDENCIES)))
 
 
-OFFLINE = {"opencode": f"{__name__}:OpenCode", "qwen-coder": f"{__name__}:QwenCode",
-           "pi": f"{__name__}:Pi", "mini-swe-agent": f"{__name__}:MiniSweAgent"}
+# Codex's own `openai` provider opens the Responses API over a WebSocket first (codex 0.171:
+# `GET /v1/responses` with an upgrade), which the gateway answers 405, and retries five times
+# before it falls back to HTTP. A provider of rolltap's own says it has no WebSocket.
+GATEWAY_PROVIDER = {"name": "rolltap gateway", "env_key": "OPENAI_API_KEY",
+                    "wire_api": "responses", "supports_websockets": False}
+
+
+class Codex(HarborCodex):
+    """Harbor's codex, its model provider rolltap's gateway over HTTP only (Harbor sets the
+    provider's base_url from OPENAI_BASE_URL, as for its own)."""
+
+    def _load_base_config(self) -> dict:
+        config = super()._load_base_config()
+        if "model_provider" not in config:
+            config["model_provider"] = "rolltap"
+            config.setdefault("model_providers", {})["rolltap"] = dict(GATEWAY_PROVIDER)
+        return config
+
+
+OFFLINE = {"codex": f"{__name__}:Codex", "opencode": f"{__name__}:OpenCode",
+           "qwen-coder": f"{__name__}:QwenCode", "pi": f"{__name__}:Pi",
+           "mini-swe-agent": f"{__name__}:MiniSweAgent"}

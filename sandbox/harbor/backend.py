@@ -8,7 +8,16 @@ credential, and turns the trial's result into a SandboxResult:
   to the rollout's metrics;
 - `reward_valid` false (the environment did not start or become healthy, the verifier left no
   reward, ...): an infrastructure failure, not a wrong answer: status `setup_failed`, reward
-  None (unscorable), Harbor's failure cause and exception in the metrics and the detail.
+  None (unscorable), Harbor's failure cause and exception in the metrics and the detail;
+- an agent that failed (exited non-zero, a reply it could not use: the model's doing) is judged
+  by its work: the worker lets the verifier run on the workdir as left (worker.py), and where
+  that gives no reward the rollout scores 0, never None.
+
+On the bwrap environment the verifier's pytest runs are sealed (seal.py): before a task's first
+rollout, one collection trial (the oracle where the task has a solution, else nop with the
+workdir's modules stubbed) learns its expected tests; each trial's reward then stands only as
+far as the sealed report bears it out, else it is 0 and the rollout `tampered`. A task whose
+verifier runs no sealed pytest is said to be unsealed in each rollout's detail.
 """
 
 from __future__ import annotations
@@ -17,13 +26,23 @@ import asyncio
 import contextlib
 import itertools
 import os
+import re
 import tempfile
 from typing import Any
 
 import msgspec
 
 from sandbox.backends.base import SandboxRequest, SandboxResult, SandboxStatus
-from sandbox.harbor.protocol import Cancel, Ready, TrialReply, TrialRequest, decoder, encode
+from sandbox.harbor.protocol import (
+    Cancel,
+    Ready,
+    SealReport,
+    TrialReply,
+    TrialRequest,
+    decoder,
+    encode,
+)
+from sandbox.harbor.seal import sealed_reward
 from sandbox.pools import PhasePools
 from sandbox.relay import inside_url
 
@@ -44,8 +63,10 @@ class TrialOutcome(msgspec.Struct, frozen=True):
     metrics: dict[str, Any]
 
 
-def trial_outcome(reply: TrialReply, reward_key: str = "reward") -> TrialOutcome:
-    """What one trial's result means for its rollout. Pure."""
+def trial_outcome(reply: TrialReply, reward_key: str = "reward",
+                  collected: SealReport | None = None) -> TrialOutcome:
+    """What one trial's result means for its rollout, `collected` the task's sealed
+    collection (None: the task is unsealed). Pure."""
     metrics: dict[str, Any] = {"harbor_phases_s": dict(reply.phases)}
     if reply.trial_dir:
         metrics["harbor_trial_dir"] = reply.trial_dir
@@ -57,6 +78,10 @@ def trial_outcome(reply: TrialReply, reward_key: str = "reward") -> TrialOutcome
         metrics["harbor_error"] = reply.error
         return TrialOutcome("setup_failed", None, f"unscorable: harbor: {reply.error}", metrics)
     rewards = reply.rewards or {}
+    if not reply.reward_valid and reply.agent_error:
+        metrics["harbor_agent_error"] = reply.agent_error
+        return TrialOutcome("ok", 0.0, "the agent failed and its work could not be verified: "
+                            f"0 ({reply.agent_error.splitlines()[0]})", metrics)
     if not reply.reward_valid:
         cause = reply.failure_cause or "no reward"
         why = f"{cause}: {reply.exception}" if reply.exception else cause
@@ -73,7 +98,34 @@ def trial_outcome(reply: TrialReply, reward_key: str = "reward") -> TrialOutcome
     detail = f"harbor {reward_key}={rewards[reward_key]:g}"
     if reply.exception:  # graded as Harbor grades it, e.g. an agent that ran out of time
         detail += f" ({reply.exception.splitlines()[0]})"
-    return TrialOutcome("ok", rewards[reward_key], detail, metrics)
+    if reply.agent_error:  # the model's doing: judged by the work it left, never unscorable
+        metrics["harbor_agent_error"] = reply.agent_error
+        detail += f" (the agent failed, judged by its work: {reply.agent_error.splitlines()[0]})"
+    reward, tampered, verdict = sealed_reward(rewards[reward_key], reply.seal,
+                                              is_sealed(collected))
+    if collected is not None and collected.problem is not None:
+        verdict += f" (collecting its tests: {collected.problem})"
+    metrics["harbor_seal"] = verdict
+    return TrialOutcome("tampered" if tampered else "ok", reward, f"{detail}; {verdict}",
+                        metrics)
+
+
+def is_sealed(collected: SealReport | None) -> bool:
+    return collected is not None and collected.problem is None and collected.runs > 0
+
+
+def mentions_pytest(tests_dir: str) -> bool:
+    """Whether any file of a task's tests/ names pytest: only then can its verifier run a
+    sealed pytest, and a collection trial is worth running."""
+    for dirpath, _, filenames in os.walk(tests_dir):
+        for name in filenames:
+            try:
+                with open(os.path.join(dirpath, name), "rb") as fh:
+                    if re.search(rb"pytest|py\.test", fh.read(1 << 20)):
+                        return True
+            except OSError:
+                continue
+    return False
 
 
 def harbor_python() -> str:
@@ -118,6 +170,9 @@ class HarborBackend:
         self._worker: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task | None = None
         self._starting = asyncio.Lock()
+        # A task's collection trial, run once (bwrap only: no other environment seals).
+        self.seal = environment == "bwrap"
+        self._collected: dict[str, asyncio.Future[SealReport | None]] = {}
 
     def check(self) -> None:
         """Raises ValueError, with what to do, when the worker cannot start."""
@@ -178,33 +233,64 @@ class HarborBackend:
             own = agent_env(public + "/v1", public, access.api_key)
         return {**self.extra_env, **own}
 
-    async def run(self, request: SandboxRequest) -> SandboxResult:
+    async def _trial(self, trial: TrialRequest) -> TrialReply:
         worker = await self.start()
-        trial = TrialRequest(
-            id=next(self._ids), task_dir=request.task.source_paths[0],
-            trial_name=f"{request.task.id}__{request.access.rollout_id[:12]}",
-            trials_dir=self.trials_dir, agent=self.agent, model=self.model,
-            agent_env=self._env(request), agent_kwargs=self.agent_kwargs,
-            environment=self.environment, environment_kwargs=self.environment_kwargs,
-            pool_limits=self.pools.limits())
         reply_future: asyncio.Future[TrialReply] = asyncio.get_running_loop().create_future()
         self._pending[trial.id] = reply_future
         self._send(worker, trial)
         try:
-            reply = await asyncio.shield(reply_future)
+            return await asyncio.shield(reply_future)
         except asyncio.CancelledError:
             self._send(worker, Cancel(trial.id))  # Harbor stops the trial's environment
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(reply_future, 30)
             raise
+
+    async def collected(self, task_dir: str, task_id: str) -> SealReport | None:
+        """The task's expected tests, from one collection trial on its own files (the oracle's
+        solution where it has one); None where nothing is sealed."""
+        if not self.seal:
+            return None
+        if task_dir not in self._collected:
+            self._collected[task_dir] = asyncio.ensure_future(self._collect(task_dir, task_id))
+        return await asyncio.shield(self._collected[task_dir])
+
+    async def _collect(self, task_dir: str, task_id: str) -> SealReport | None:
+        if not mentions_pytest(os.path.join(task_dir, "tests")):
+            return None  # nothing to seal: no collection trial
+        oracle = os.path.isfile(os.path.join(task_dir, "solution", "solve.sh"))
+        reply = await self._trial(TrialRequest(
+            id=next(self._ids), task_dir=task_dir, trial_name=f"{task_id}__collect",
+            trials_dir=os.path.join(self.trials_dir, "collect"),
+            agent="oracle" if oracle else "nop", model=None, agent_env={},
+            environment=self.environment,
+            environment_kwargs={**self.environment_kwargs, "seal": "collect",
+                                "seal_stub": not oracle},
+            pool_limits=self.pools.limits()))
+        return reply.seal
+
+    async def run(self, request: SandboxRequest) -> SandboxResult:
+        task_dir = request.task.source_paths[0]
+        collected = await self.collected(task_dir, request.task.id)
+        seal = ({"seal": "judge", "seal_expected": collected.expected}
+                if collected is not None and is_sealed(collected) else {})
+        trial = TrialRequest(
+            id=next(self._ids), task_dir=task_dir,
+            trial_name=f"{request.task.id}__{request.access.rollout_id[:12]}",
+            trials_dir=self.trials_dir, agent=self.agent, model=self.model,
+            agent_env=self._env(request), agent_kwargs=self.agent_kwargs,
+            environment=self.environment,
+            environment_kwargs={**self.environment_kwargs, **seal},
+            pool_limits=self.pools.limits())
+        reply = await self._trial(trial)
         for phase, waited in reply.queue_wait_s.items():
             self.pools.note(phase, waited)
-        outcome = trial_outcome(reply, self.reward_key)
+        outcome = trial_outcome(reply, self.reward_key, collected)
         return SandboxResult(
             status=outcome.status, reward=outcome.reward, reward_detail=outcome.detail,
             host=os.uname().nodename,
             isolation="bwrap" if self.environment == "bwrap" else "harbor",
-            extra_metrics=outcome.metrics)
+            extra_metrics=outcome.metrics, agent_failed=reply.agent_error is not None)
 
     async def aclose(self) -> None:
         if self._worker is None:

@@ -68,15 +68,10 @@ from sandbox import hostexec, images
 from sandbox.cgroup import Cgroup
 from sandbox.confine import (
     GATEWAY_SOCKET,
-    HOST_ROOT,
     NO_IMAGE_WITHOUT_ROOT,
-    RUN_DIR,
-    STAGED_ROOT,
-    SYSTEM_DIRS,
     Image,
     Phase,
     View,
-    host_system,
     mount_points,
     new_uid,
     outer_args,
@@ -86,6 +81,15 @@ from sandbox.confine import (
     stage_script,
     tools,
 )
+from sandbox.harbor import seal as seal_module
+from sandbox.harbor.argv import (
+    PATH,
+    bind_parents,
+    exec_argv,
+    image_source,
+    sandbox_argv,
+    system_layout,
+)
 from sandbox.limits import make_preexec
 from sandbox.relay import Relay, inside_port
 
@@ -93,7 +97,6 @@ from sandbox.relay import Relay, inside_port
 DEFAULT_CPUS = 1.0
 DEFAULT_MEMORY_MB = 4096
 MAX_PROCS = 4096
-PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STARTUP_S = 30.0
 VIEW_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verifier_view.py")
 # The verifier's view holds a copy of the workdir's top directory besides its own files; the
@@ -109,84 +112,28 @@ FORWARDER = (
 )
 
 
-def exec_argv(pid: int, command: str, cwd: str, env: dict[str, str],
-              path: str = PATH, uid: int | None = None) -> list[str]:
-    """The host command line that runs `command` (bash) inside the sandbox whose init is
-    `pid`, in `cwd`, with exactly `env` (plus PATH and HOME unless given): as the sandbox's
-    root, or with `uid` as that host uid in every namespace of `pid` but its user namespace
-    (the verifier, in its view's holder). Pure."""
-    full = {"PATH": path, "HOME": "/root", **env}
-    enter = (["--all"] if uid is None else
-             ["--mount", "--uts", "--ipc", "--net", "--pid", "--cgroup", f"--setuid={uid}",
-              f"--setgid={uid}"])
-    return ["nsenter", f"--target={pid}", *enter, "--root", "--",
-            "env", "-i", *(f"{k}={v}" for k, v in full.items()),
-            "bash", "-c", 'cd -- "$0" && eval "$1"', cwd, command]
-
-
-def system_layout(root: str) -> dict[str, str | None]:
-    """The system directories (confine.SYSTEM_DIRS) of a root filesystem on the host (the
-    host's `/` or an image's unpacked root): name -> link target, or None for a directory.
-    The verifier's view takes them from here, not from the sandbox the agent could change."""
-    layout: dict[str, str | None] = {}
-    for name in SYSTEM_DIRS:
-        path = os.path.join(root, name)
-        if os.path.islink(path):
-            layout[name] = os.readlink(path)
-        elif os.path.isdir(path):
-            layout[name] = None
-    return layout
-
-
-def image_source(docker_image: str | None, environment_dir: Path) -> tuple[str | None, str | None]:
-    """(reference, Dockerfile directory) of a task's image, as Harbor's docker backend takes
-    it: a prebuilt `docker_image` first, else `environment/Dockerfile`; (None, None) without
-    either."""
-    if docker_image:
-        return docker_image, None
-    if (environment_dir / "Dockerfile").is_file():
-        return None, str(environment_dir)
-    return None, None
-
-
-def sandbox_argv(bwrap: str, disk_mb: int, socket: str | None, info_fd: int,
-                 read_only: tuple[str, ...] = (),
-                 staged: dict[str, str] | None = None) -> list[str]:
-    """The long-lived sandbox: bwrap's init as PID 1 and `sleep infinity` to keep it, after a
-    line on stdout that says its filesystem is in place (bwrap reports the PID on `info_fd`
-    before it has built the root). With `staged` (where the root stage put each host source),
-    `/` is the stage's image overlay and the host's system directories are under HOST_ROOT.
-    Pure."""
-
-    def src(path: str) -> str:
-        return staged[path] if staged is not None else path
-
-    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--uid", "0", "--gid", "0", "--hostname", "sandbox"]
-    args += (["--size", str(disk_mb << 20), "--tmpfs", "/", *host_system()] if staged is None
-             else ["--bind", STAGED_ROOT, "/", "--tmpfs", RUN_DIR, *host_system(HOST_ROOT)])
-    args += ["--proc", "/proc", "--dev", "/dev", "--dir", "/tmp", "--dir", "/root",
-             "--info-fd", str(info_fd)]
-    for bind in ro_binds(read_only):
-        args += ["--ro-bind", src(bind.source), bind.dest]
-    if socket is not None:
-        args += ["--ro-bind", src(socket), GATEWAY_SOCKET]
-    if staged is not None:
-        args += ["--remount-ro", RUN_DIR]
-    return [*args, "--", "sh", "-c", "echo ready && exec sleep infinity"]
-
-
 class BwrapEnvironment(BaseEnvironment):
     """One persistent bubblewrap sandbox per trial. Kwargs: gateway_url (the gateway the
     sandbox may reach), disk_mb (its tmpfs root, or its image overlay's writable layer;
     default 1024), ro_paths (host paths bound read-only at their own paths, e.g. the project's
     pinned harness CLIs, so that agents find them instead of installing from the network),
     path (directories put first on PATH) and rootfs (`image`: the task's image when it names
-    one, the default; `host`: the host's system directories)."""
+    one, the default; `host`: the host's system directories), seal (the verifier's pytest
+    runs: `judge` them against seal_expected, each run's expected tests; `collect` the
+    expected tests, with the workdir's modules stubbed when seal_stub; `off`, the default: no
+    seal, as with any other Harbor environment; see seal.py)."""
 
     def __init__(self, *args, gateway_url: str | None = None, disk_mb: int | str = 1024,
                  ro_paths: Sequence[str] | str = (), path: Sequence[str] | str = (),
-                 rootfs: str = "image", **kwargs) -> None:
+                 rootfs: str = "image", seal: str = "off",
+                 seal_expected: list[list[str]] | None = None, seal_stub: bool = False,
+                 **kwargs) -> None:
+        if seal not in ("off", "collect", "judge"):
+            raise ValueError(f"seal={seal!r}: give judge, collect or off")
+        self._seal_mode, self._seal_stub = seal, bool(seal_stub)
+        self._seal_expected = [list(tests) for tests in seal_expected or []]
+        self._seal: seal_module.Pipes | None = None
+        self.seal_report: seal_module.SealReport | None = None
         if rootfs not in ("image", "host"):
             raise ValueError(f"rootfs={rootfs!r}: give rootfs=image (the task's image) or "
                              f"rootfs=host (the host's system directories)")
@@ -291,6 +238,11 @@ class BwrapEnvironment(BaseEnvironment):
         self._pid = json.loads(info)["child-pid"]
         dirs = ["/logs/agent", "/logs/verifier", "/logs/artifacts", self._workdir]
         await self._must(f"mkdir -p {' '.join(shlex.quote(d) for d in dirs)}")
+        if parents := bind_parents(self._read_only):
+            # bwrap makes the directories above a bind 0700, which only the sandbox's root
+            # may enter: the verifier, another uid, could not reach what is bound there.
+            await self._must(f"chmod a+rx {' '.join(map(shlex.quote, parents))} 2>/dev/null "
+                             "|| true")
         if self._gateway_url:
             port = inside_port(self._gateway_url)
             socat = shlex.join(hostexec.wrap(["socat"])) if rootfs else "socat"
@@ -323,6 +275,8 @@ class BwrapEnvironment(BaseEnvironment):
                 "size_mb": (config.storage_mb or self._disk_mb) + VERIFIER_MARGIN_MB,
                 "system": self._system, "copy": top[0] if top else None,
                 "workdir": self._workdir}
+        if self._seal_mode != "off":
+            spec["seal"] = {"dir": seal_module.SEAL_DIR, "files": seal_module.view_files()}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", VIEW_SCRIPT, json.dumps(spec),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -336,6 +290,8 @@ class BwrapEnvironment(BaseEnvironment):
             raise RuntimeError(f"the verifier's view did not start: {err}")
         home = "/tmp" if spec["copy"] == "root" else "/root"
         self._verifier = _Verifier(proc, int(line.split()[1]), uid, home)
+        if self._seal_mode != "off":
+            self._seal = seal_module.Pipes.open(self._seal_mode == "collect", self._seal_stub)
 
     async def end_verification(self) -> None:
         """An agent phase starts again (a multi-step task's next step): the verifier's
@@ -350,6 +306,13 @@ class BwrapEnvironment(BaseEnvironment):
                 if os.stat(f"/proc/{pid}").st_uid == verifier.uid:
                     os.kill(pid, signal.SIGKILL)
         await verifier.process.wait()
+        if self._seal is not None:
+            pipes, self._seal = self._seal, None
+            channel = await pipes.close()
+            self.seal_report = (
+                seal_module.collect_report(channel, pipes.setups)
+                if self._seal_mode == "collect" else
+                seal_module.judge_report(channel, pipes.setups, self._seal_expected))
 
     async def stop(self, delete: bool) -> None:
         await self.end_verification()
@@ -379,17 +342,25 @@ class BwrapEnvironment(BaseEnvironment):
                    ) -> tuple[int, bytes, bytes]:
         if self._pid is None:
             raise RuntimeError("the environment is not started")
+        fds: tuple[int, ...] = ()
         if (verifier := self._verifier) is not None:
-            # The verifier's PATH is the system's only: the agent's pinned CLIs are not its.
-            argv = exec_argv(verifier.holder, command, cwd or self._workdir,
-                             {"HOME": verifier.home, **(env or {})}, PATH, verifier.uid)
+            # The verifier's PATH is the system's only (the agent's pinned CLIs are not its),
+            # after the seal's shims; the seal's pipes are its children's.
+            own = {"HOME": verifier.home, **(env or {})}
+            path = PATH
+            if (pipes := self._seal) is not None:
+                fds = (pipes.key_r, pipes.report_w)
+                own.update(seal_module.env(*fds))
+                path = seal_module.path(PATH)
+            argv = exec_argv(verifier.holder, command, cwd or self._workdir, own, path,
+                             verifier.uid)
         else:
             argv = exec_argv(self._pid, command, cwd or self._workdir, env or {}, self._path)
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else
             asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True, env={"PATH": PATH},
-            preexec_fn=self._join_cgroup())
+            preexec_fn=self._join_cgroup(), pass_fds=fds)
         try:
             out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_sec)
         except (TimeoutError, asyncio.CancelledError):

@@ -30,6 +30,20 @@ class TrialRequest(msgspec.Struct, frozen=True, tag="trial"):
     pool_limits: dict[str, int] = {}
 
 
+class SealReport(msgspec.Struct, frozen=True):
+    """What the sealed channel said of one verifier phase (sandbox/harbor/seal.py).
+    `runs`: the sealed pytest runs that started; `expected` (collect): each run's test node
+    ids; `problem` (judge): why the report is not whole or the tests did not all run, None
+    when it is; `passed`/`total`: the expected tests that passed, over every run."""
+
+    mode: str
+    runs: int
+    expected: list[list[str]] = []
+    problem: str | None = None
+    passed: int = 0
+    total: int = 0
+
+
 class TrialReply(msgspec.Struct, frozen=True, tag="reply"):
     id: int
     rewards: dict[str, float] | None
@@ -44,6 +58,10 @@ class TrialReply(msgspec.Struct, frozen=True, tag="reply"):
     queue_wait_s: dict[str, float] = {}
     # A failure of the worker itself around the trial (bad agent name, task that does not load).
     error: str | None = None
+    # What the sealed channel said of the verifier's pytest runs (bwrap environment, seal on).
+    seal: SealReport | None = None
+    # The agent failed (type: message) and the verifier judged the workdir as it left it.
+    agent_error: str | None = None
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
@@ -64,3 +82,8 @@ decoder = msgspec.json.Decoder(Message)
 
 def encode(message: Message) -> bytes:
     return encoder.encode(message) + b"\n"
+
+
+# The reward detail of a verifier phase that ran no sealed pytest (seal.py); the run summary
+# names its tasks.
+UNSEALED = "verdict unsealed: the tested code can change it"

@@ -15,7 +15,9 @@ the agent never sees:
 - the top directory of the task's workdir copied and given to the verifier, so the tests can
   write there as in Harbor's own sandboxes (a copy that does not fit is left partial);
 - every other top-level entry of the agent's root (its other files, /proc, /dev, /run) bound
-  in, read-only except /dev and /proc.
+  in, read-only except /dev and /proc;
+- with `seal` in the spec, rolltap's seal directory (sandbox/harbor/seal.py: the pytest shims
+  and launcher), root's, in place of any entry of that name the agent made.
 Every source is opened without following links and mounted through its descriptor, so an agent
 that swaps a directory for a link cannot point a bind elsewhere; the new root is checked to be
 the verifier's own before anything is made in it.
@@ -184,6 +186,22 @@ def _place(step: tuple, spec: dict, mount, entries: dict, opened: dict[str, int]
             mount(None, name, None, remount_flags(os.statvfs(name).f_flag))
 
 
+def _seal(seal: dict, mount) -> None:
+    """rolltap's seal directory (sandbox/harbor/seal.py) in the view being built: a tmpfs of
+    root's, then read-only; a mount point, so the verifier, which owns the view's top
+    directory, can neither rename nor replace it."""
+    os.mkdir(seal["dir"])
+    mount("rolltap-seal", seal["dir"], "tmpfs", MS_NOSUID | MS_NODEV,
+          "size=4m,mode=0755,uid=0,gid=0")
+    for rel, (mode, text) in sorted(seal["files"].items()):
+        path = os.path.join(seal["dir"], rel)
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        with open(path, "x") as fh:
+            fh.write(text)
+        os.chmod(path, mode)
+    mount(None, seal["dir"], None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
 def build(spec: dict, mount) -> None:
     """In a fresh mount namespace (the caller's is the sandbox's): the view at a fresh tmpfs,
     made the process's root."""
@@ -192,10 +210,15 @@ def build(spec: dict, mount) -> None:
     os.unshare(os.CLONE_NEWNS)  # pyright: ignore[reportAttributeAccessIssue]
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     entries = _entries()
+    seal = spec.get("seal")
+    if seal:  # the agent's entry of that name, if it made one, is not the view's
+        entries.pop(seal["dir"], None)
     opened = _open_entries(entries)
     root = _fresh_root(spec, mount, entries, opened)
     for step in plan(entries, spec["system"], spec["copy"], spec["agent_uid"]):
         _place(step, spec, mount, entries, opened)
+    if seal:
+        _seal(seal, mount)
     os.makedirs("logs/verifier", exist_ok=True)
     os.chown("logs/verifier", uid, uid)
     workdir = spec["workdir"].strip("/")

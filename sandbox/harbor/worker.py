@@ -77,6 +77,26 @@ def _phase_hooks(trial) -> None:
     trial.add_hook(TrialEvent.AGENT_START, agent)
 
 
+def _judged_by_its_work(trial) -> list[str]:
+    """An agent that fails (exits non-zero, a reply it cannot parse, a context it overflowed)
+    is the policy's doing: Harbor would leave the trial ungraded, an unscorable rollout that
+    leaves its group's baseline, a way out of a bad reward that RL finds. Its failure is kept
+    aside instead and the verifier runs on the workdir as the agent left it. Returns where the
+    failure is noted."""
+    failures: list[str] = []
+    agent = trial.agent
+    run = agent.run
+
+    async def run_judged(*args, **kwargs):
+        try:
+            return await run(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 (noted, and the trial goes on to its verifier)
+            failures.append(f"{type(exc).__name__}: {exc}"[:2000])
+
+    agent.run = run_judged
+    return failures
+
+
 def _pool_hooks(trial, holder) -> None:
     """Moves the trial between the run's phase pools (sandbox/pools.py) as Harbor announces
     its phases: environment start and health check, agent install and run (one slot from
@@ -122,6 +142,8 @@ async def run_trial(request: TrialRequest) -> TrialReply:
     from harbor.models.trial.config import TaskConfig, TrialConfig
     from harbor.trial.trial import Trial
 
+    from sandbox.harbor.environment import BwrapEnvironment
+
     try:
         config = TrialConfig(
             task=TaskConfig(path=Path(request.task_dir)),
@@ -132,6 +154,7 @@ async def run_trial(request: TrialRequest) -> TrialReply:
         )
         trial = await Trial.create(config)
         _phase_hooks(trial)
+        agent_failures = _judged_by_its_work(trial)
         holder = _holder(request)
         _pool_hooks(trial, holder)
         try:
@@ -149,6 +172,7 @@ async def run_trial(request: TrialRequest) -> TrialReply:
     if (whole := _seconds(result)) is not None:
         phases["trial"] = whole
     rewards = result.verifier_result.rewards if result.verifier_result else None
+    environment = trial.agent_environment
     return TrialReply(
         id=request.id,
         rewards={k: float(v) for k, v in rewards.items()} if rewards else None,
@@ -157,6 +181,8 @@ async def run_trial(request: TrialRequest) -> TrialReply:
         failure_cause=getattr(cause, "value", cause) if cause is not None else None,
         phases=phases,
         trial_dir=str(os.path.join(request.trials_dir, request.trial_name)),
+        seal=environment.seal_report if isinstance(environment, BwrapEnvironment) else None,
+        agent_error=agent_failures[0] if agent_failures else None,
         queue_wait_s={k: round(v, 3) for k, v in holder.waited_s.items()},
     )
 

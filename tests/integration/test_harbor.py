@@ -28,10 +28,8 @@ from sandbox.harbor import podman
 from sandbox.harbor.backend import harbor_python, trial_outcome
 from sandbox.harbor.protocol import TrialReply
 from sandbox.harbor.tasks import load_harbor_tasks, task_dirs
-from sandbox.state import StateFile
 from sandbox.tasks import TaskFileError
-from tests.support.gateway import ADMIN_KEY
-from tests.support.harbor import needs_harbor
+from tests.support.harbor import needs_harbor, rollouts
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "harbor"
@@ -70,6 +68,20 @@ def test_missing_reward_key_is_unscorable_and_says_which_keys_there_are():
     out = trial_outcome(TrialReply(id=1, rewards={"score": 1.0}, reward_valid=True))
     assert out.reward is None and "'reward'" in out.detail and "score" in out.detail
     assert "--reward-key" in out.detail
+
+
+def test_an_agent_that_failed_is_judged_by_its_work():
+    """The model's doing (an agent exiting 1 after its calls) is never unscorable: the
+    verifier's reward where it gave one, else 0."""
+    error = "NonZeroAgentExitCodeError: codex exited 1\nIncomplete response returned"
+    judged = trial_outcome(TrialReply(id=1, rewards={"reward": 1.0}, reward_valid=True,
+                                      agent_error=error))
+    assert (judged.status, judged.reward) == ("ok", 1.0)
+    assert judged.metrics["harbor_agent_error"] == error
+    assert "judged by its work: NonZeroAgentExitCodeError" in judged.detail
+    unverified = trial_outcome(TrialReply(id=1, rewards=None, reward_valid=False,
+                                          failure_cause="verifier_failed", agent_error=error))
+    assert (unverified.status, unverified.reward) == ("ok", 0.0)
 
 
 def test_worker_error_is_unscorable():
@@ -186,31 +198,6 @@ def test_a_directory_without_a_harbor_harness_says_what_to_do(capsys):
 # ---- through the gateway --------------------------------------------------------------------
 
 
-def rollouts(gateway, tmp_path: Path, tasks: Path, agent: str, *extra: str,
-             rootfs: str = "host") -> tuple[str, dict[str, dict], Path]:
-    """Runs the CLI as a user would; returns its output, each task's rollout state at the
-    gateway (one rollout per task), and the trials directory. The example tasks' Dockerfiles
-    are FROM debian:bookworm-slim, which no registry here provides: on the bwrap environment
-    they run on the host's system directories unless `rootfs="image"`."""
-    state, trials = tmp_path / f"{agent}.jsonl", tmp_path / f"trials-{agent}"
-    if "--environment" not in extra:
-        extra = (*extra, "--environment-kwarg", f"rootfs={rootfs}")
-    if "--model" not in extra:  # the runner's preflight wants a model the engine serves
-        extra = (*extra, "--model", gateway.admin.get("/admin/models").json()["models"][0])
-    argv = [sys.executable, "-m", "sandbox.cli", str(tasks), "--harness", f"harbor:{agent}",
-            "--group-size", "1", "--concurrency", "4", "--gateway", gateway.url,
-            "--state", str(state), "--trials-dir", str(trials), *extra]
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    records = StateFile(str(state)).load()[1].values()
-    states = {r.task_id: gateway.admin.get(f"/admin/rollouts/{r.rollout_id}").json()
-              for r in records}
-    assert len(states) == len(records), "one rollout per task"
-    return out, states, trials
-
-
 @needs_harbor
 def test_oracle_scores_and_infrastructure_failure_is_unscorable(gateway, vllm_server, tmp_path):
     out, states, trials = rollouts(gateway, tmp_path, EXAMPLES, "oracle", "--model",
@@ -232,6 +219,12 @@ def test_oracle_scores_and_infrastructure_failure_is_unscorable(gateway, vllm_se
     assert "unscorable: sandbox_failed: HealthcheckError" in out
     # Harbor's retries are off: the failed trial ran once, as one rollout.
     assert len(list(trials.glob("unhealthy__*"))) == 1
+    # Counted by cause in the summary and at the gateway (issue 38).
+    assert "unscorable: 1 of 4 (sandbox_failed: 1)" in out
+    assert sick["metrics"]["unscorable_cause"] == "sandbox_failed"
+    time.sleep(10.5)  # the database-derived gauges are refreshed at most every 10 s
+    assert 'rolltap_rollouts_unscorable{cause="sandbox_failed"}' in gateway.admin.get(
+        "/metrics").text
 
 
 @needs_harbor
@@ -358,6 +351,15 @@ def offline_agent(gateway, tmp_path: Path, agent: str, model: str,
     return out, states["hello-world"]
 
 
+def websocket_attempts(gateway) -> int:
+    """The gateway's access lines of a GET on a model route (a WebSocket upgrade; the
+    gateway serves them over HTTP POST only)."""
+    from tests.integration.test_access_log import access_lines
+
+    return sum(line["method"] == "GET" and line["route"].endswith("/responses")
+               for line in access_lines(gateway))
+
+
 @needs_harbor
 @pytest.mark.parametrize(("agent", "provider", "protocol", "extra"), [
     ("claude-code", "", "anthropic", (
@@ -376,8 +378,11 @@ def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, a
     """A Harbor agent in the bwrap environment, using the project's pinned CLI or wheels
     (bound read-only, so Harbor skips its network install), against the gateway and the tiny
     model: its calls are recorded with the engine's ids and the trial gets Harbor's grade."""
+    refused_before = websocket_attempts(gateway)
     out, state = offline_agent(gateway, tmp_path, agent, provider + vllm_server.model, *extra)
     assert state["status"] == "finished" and state["reward"] == 0.0, (state, out)
+    # No WebSocket attempt at the Responses API (codex's own provider makes five, issue 38).
+    assert websocket_attempts(gateway) == refused_before
     calls = gateway.calls(state["rollout_id"])
     ok = [c for c in calls if c["status"] == "ok"]
     assert ok and all(c["protocol"] == protocol for c in calls), calls
@@ -388,21 +393,55 @@ def test_npm_harness_as_a_harbor_agent_offline(gateway, vllm_server, tmp_path, a
 
 
 @needs_harbor
+def test_codex_stopped_by_max_output_tokens_is_judged_by_its_work(vllm_server, database_url,
+                                                                  tmp_path):
+    """A gateway whose --default-max-tokens binds: the model's reply is an incomplete
+    Responses reply, codex exits 1 ("Incomplete response returned"), Harbor would leave the
+    trial ungraded. The failure is the model's: the verifier judges the workdir as left (no
+    hello.txt: 0.0), never null (issue 38)."""
+    import tempfile
+
+    from tests.support.gateway import GatewayProcess
+
+    socket_dir = Path(tempfile.mkdtemp(prefix="rolltap-gw-"))
+    gw = GatewayProcess([vllm_server.url], database_url, "--default-max-tokens", "2",
+                        "--unix-socket", str(socket_dir / "gateway.sock"),
+                        log_path=tmp_path / "gateway.log")
+    gw.unix_socket = socket_dir / "gateway.sock"
+    gw.start()
+    try:
+        out, state = offline_agent(gw, tmp_path, "codex", vllm_server.model)
+        calls = gw.calls(state["rollout_id"])
+        attempts = websocket_attempts(gw)
+    finally:
+        gw.stop()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    assert (state["status"], state["reward"]) == ("finished", 0.0), (state, out)
+    assert "NonZeroAgentExitCodeError" in state["metrics"]["harbor_agent_error"], state
+    assert calls and all(c["protocol"] == "responses" for c in calls), calls
+    assert attempts == 0
+
+
+@needs_harbor
 def test_qwen_coder_starts_offline_and_overflows_the_tiny_models_context(gateway, vllm_server,
                                                                         tmp_path):
     """qwen-coder starts from the pinned CLI and calls the gateway, but its agent turn is
     longer than the tiny model's 32,768-token context: the call is recorded as failed with the
-    engine's context-length error, qwen exits 1, and Harbor does not grade the trial
-    (UnknownApiError, reward not valid): the rollout is unscorable with that error as its
-    cause."""
+    engine's context-length error and qwen exits 1. The agent failed: where the gateway
+    answered one of its calls (a side call may pass) that is the model's doing and the verifier
+    judges the workdir (0.0); where it answered none, the rollout is unscorable (issue 38)."""
     out, state = offline_agent(gateway, tmp_path, "qwen-coder", vllm_server.model)
-    assert (state["status"], state["reward"]) == ("failed", None), (state, out)
-    assert "maximum context length is 32768 tokens" in state["metrics"]["harbor_exception"]
     calls = gateway.calls(state["rollout_id"])
     assert calls and all(c["protocol"] == "chat" for c in calls), calls
-    # The agent's turn, recorded as failed with the engine's error (a side call may pass).
+    # The agent's turn, recorded as failed with the engine's error.
     failed = [c for c in calls if c["status"] == "failed"]
     assert failed and "maximum context length" in str(failed[0]["error"]), calls
+    assert "maximum context length is 32768 tokens" in state["metrics"]["harbor_agent_error"]
+    if any(c["status"] == "ok" for c in calls):
+        assert (state["status"], state["reward"]) == ("finished", 0.0), (state, out)
+    else:
+        assert (state["status"], state["reward"]) == ("failed", None), (state, out)
+        assert "unscorable: unanswered" in state["metrics"]["reward_detail"]
 
 
 PODMAN_MISSING = podman.missing(harbor_python())

@@ -405,3 +405,31 @@ def test_first_uses_at_once_unpack_once_and_wait_only_for_the_unpack(tiny_image,
         for t in threads:
             t.join()
     assert [e.ref for e in cache.entries()] == [tiny_image]
+
+
+@pytest.mark.parametrize(("dockerfile", "refs"), [
+    ("FROM debian:bookworm-slim\nRUN true\n", ["debian:bookworm-slim"]),
+    ("FROM --platform=linux/amd64 a/b:1 AS build\nFROM build\nFROM scratch\nFROM c\n",
+     ["a/b:1", "c"]),
+])
+def test_a_dockerfiles_base_images_are_its_froms_but_its_own_stages(dockerfile, refs):
+    assert images.base_refs(dockerfile) == refs
+
+
+def test_short_names_qualify_as_docker_resolves_them():
+    assert images.qualified("debian:bookworm-slim") == "docker.io/library/debian:bookworm-slim"
+    assert images.qualified("user/app:1") == "docker.io/user/app:1"
+    assert images.qualified("localhost/x:1") == "localhost/x:1"
+    assert images.qualified("quay.io/a/b") == "quay.io/a/b"
+
+
+def test_a_missing_base_image_says_in_one_line_what_to_run(tmp_path):
+    """Offline, a Dockerfile FROM an image this machine does not have: one line naming the
+    image and the commands that get it (issue 38)."""
+    (tmp_path / "Dockerfile").write_text("FROM localhost/rolltap-missing-base:none\nRUN true\n")
+    with pytest.raises(images.ImageError) as info:
+        images.build(images.load_build(str(tmp_path)))
+    message = str(info.value)
+    assert "\n" not in message
+    assert "base image localhost/rolltap-missing-base:none is not on this machine" in message
+    assert "rolltap image base --tag localhost/rolltap-missing-base:none" in message

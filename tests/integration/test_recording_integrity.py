@@ -420,8 +420,8 @@ def test_finish_with_nul_in_metrics_succeeds_and_records_the_cleaning(gw):
                   metrics={"stderr_tail": "codex printed \u0000 here", "exit": 0})
     assert r.status_code == 200, r.text
     metrics = r.json()["metrics"]
-    assert metrics["stderr_tail"] == "codex printed  here"
-    assert metrics["rolltap_removed_nul_characters"] == 1
+    assert metrics["stderr_tail"] == "codex printed \ufffd here"
+    assert metrics["rolltap_escaped"] == 1
 
 
 # -- item 2: a misaligned engine reply -----------------------------------------------------------

@@ -10,8 +10,6 @@ nothing listens, and telemetry and update checks off, so nothing leaves 127.0.0.
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 import shutil
 import signal
@@ -23,6 +21,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from sandbox.harnesses import (
+    HARNESS_PACKAGES,
+    NPM_PREFIX,
+    ensure_harnesses,
+    harness_bin_dir,
+    installed_versions,
+)
 from sandbox.layout import (
     SandboxDirs,
     base_env,
@@ -45,75 +50,6 @@ __all__ = [
 ]
 
 REPO = Path(__file__).resolve().parents[2]
-NPM_PREFIX = REPO / ".cache" / "npm"
-INSTALL_TIMEOUT_S = 900.0
-
-# preset name -> (npm package, pinned version): the versions the compatibility table lists.
-HARNESS_PACKAGES: dict[str, tuple[str, str]] = {
-    "claude-code": ("@anthropic-ai/claude-code", "2.1.197"),
-    "codex": ("@openai/codex", "0.171.0"),
-    "opencode": ("opencode-ai", "1.18.33"),
-    "qwen-code": ("@qwen-code/qwen-code", "0.15.10"),
-    "pi": ("@mariozechner/pi-coding-agent", "0.73.1"),
-}
-
-
-def harness_bin_dir(prefix: Path = NPM_PREFIX) -> Path:
-    return prefix / "node_modules" / ".bin"
-
-
-def installed_versions(prefix: Path = NPM_PREFIX) -> dict[str, str | None]:
-    """preset -> the version installed under `prefix` (None if missing or its CLI is absent)."""
-    out: dict[str, str | None] = {}
-    for preset, (package, _) in HARNESS_PACKAGES.items():
-        manifest = prefix / "node_modules" / package / "package.json"
-        exe = harness_bin_dir(prefix) / NPM_EXECUTABLES[preset]
-        try:
-            version = json.loads(manifest.read_text())["version"]
-        except (OSError, ValueError, KeyError):
-            version = None
-        out[preset] = version if exe.exists() else None
-    return out
-
-
-def _up_to_date(prefix: Path) -> bool:
-    have = installed_versions(prefix)
-    return all(have[p] == version for p, (_, version) in HARNESS_PACKAGES.items())
-
-
-def ensure_harnesses(prefix: Path = NPM_PREFIX) -> Path:
-    """Install the pinned harnesses under `prefix` unless they already are; returns the bin
-    directory. Safe to call from concurrent sessions (a lock file serialises installs)."""
-    if _up_to_date(prefix):
-        return harness_bin_dir(prefix)
-    npm = shutil.which("npm")
-    if npm is None:
-        raise FileNotFoundError("npm is not installed (Node.js 20 or newer with npm is needed)")
-    prefix.mkdir(parents=True, exist_ok=True)
-    with open(prefix / ".install.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _up_to_date(prefix):  # another session installed them while this one waited
-            return harness_bin_dir(prefix)
-        manifest = {
-            "name": "rolltap-test-harnesses",
-            "private": True,
-            "dependencies": {pkg: version for pkg, version in HARNESS_PACKAGES.values()},
-        }
-        (prefix / "package.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        proc = subprocess.run(
-            [npm, "install", "--no-audit", "--no-fund", "--no-update-notifier", "--loglevel=error"],
-            cwd=prefix,
-            capture_output=True,
-            text=True,
-            timeout=INSTALL_TIMEOUT_S,
-        )
-        if proc.returncode != 0 or not _up_to_date(prefix):
-            raise RuntimeError(
-                f"npm install in {prefix} failed ({proc.returncode}); installed: "
-                f"{installed_versions(prefix)}\n{proc.stderr[-3000:]}"
-            )
-    return harness_bin_dir(prefix)
-
 
 def require_harnesses() -> Path:
     """The bin directory of the pinned harness CLIs, installed on first use; skips the calling

@@ -63,6 +63,12 @@ FLAGS = [
     ('--tokenizer', None, 'MODEL_DIR', None,
      "the served model's directory; the trace viewer (/ui) shows token text decoded with its"
      ' tokenizer.json; default: --local-template (env ROLLTAP_TOKENIZER)'),
+    ('--run-metrics', None, 'URL', None,
+     "a Prometheus endpoint of the run's other processes, e.g. the runner's (`rolltap "
+     "rollouts --metrics-port 9101`: http://127.0.0.1:9101/metrics); the viewer's run page "
+     "(/ui#/run) plots its rolltap_runner_*, rolltap_trainer_*, rolltap_pool_* and "
+     "rolltap_engine_* series next to the gateway's own; repeatable (env "
+     "ROLLTAP_RUN_METRICS, comma separated)"),
     ('--no-record-bodies', False, None, None,
      'do not keep compressed request/response bodies (token records are always kept) (env '
      'ROLLTAP_RECORD_BODIES=0)'),
@@ -80,6 +86,10 @@ FLAGS = [
     ('--db-command-timeout', 10.0, 'SECONDS', None,
      'longest a database statement (a commit of call records included) may take before the '
      'calls waiting on it fail with 503 (env ROLLTAP_DB_COMMAND_TIMEOUT; default 10.0)'),
+    ('--commit-wait', 5.0, 'SECONDS', None,
+     "longest a call waits for its record's commit before it is answered with a retryable "
+     '503 (529 on the Anthropic API); the record is still written when the database answers '
+     'again (env ROLLTAP_COMMIT_WAIT; default 5.0)'),
     ('--max-pending-records', 4096, 'N', None,
      'call records that may wait for their commit; beyond that new calls are turned away '
      'with 503/529 and Retry-After (env ROLLTAP_MAX_PENDING_RECORDS; default 4096)'),

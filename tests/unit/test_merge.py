@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.merge import TooManyCalls, merge
+from core.merge.forest import Forest
 from core.merge.prefixes import Packed, Prefixes, best_base, common_prefix_len
 from core.merge.values import CAUSES, EXCLUSION_CAUSES, SIDE_CALLS, CallTokens, MergeOptions
 
@@ -433,31 +434,46 @@ def live_calls(calls):
 def test_common_prefixes_match_brute_force(calls):
     live = live_calls(calls)
     prefixes = Prefixes(Packed(live))
-    for i, a in enumerate(live):
-        assert prefixes.row(i).tolist() == [brute_force_lcp(full(a).tolist(), full(b).tolist())
-                                            for b in live]
+    fulls = [full(live[i]).tolist() for i in prefixes.order.tolist()]
+    assert fulls == sorted(fulls)
+    assert prefixes.adjacent.tolist() == [0][: len(fulls)] + [brute_force_lcp(a, b)
+                                                for a, b in zip(fulls, fulls[1:])]
 
 
-class MatrixPrefixes(Prefixes):
-    """The merge's former common-prefix table: every pair's, an n x n matrix (parents are
-    checked against brute force in test_merge_invariants_hold_for_any_calls)."""
+class ScanningForest(Forest):
+    """The merge's former fork classification: per fork, a scan of every earlier call over the
+    whole common-prefix matrix (quadratic; core.merge.forks answers the same in n log n)."""
 
-    def __init__(self, packed):
-        super().__init__(packed)
+    def fork_causes(self, forks):
+        packed = self.packed
         fulls = [packed.full(i).tolist() for i in range(packed.F.size)]
-        self.lcp = np.array([[brute_force_lcp(x, y) for y in fulls] for x in fulls],
-                            dtype=np.int64).reshape(len(fulls), len(fulls))
+        return {f: self.scan(f, fulls) for f in forks}
 
-    def row(self, i):
-        return self.lcp[i]
+    def scan(self, f, fulls):
+        packed, parent, anchor = self.packed, self.parent, int(self.anchor[f])
+        if anchor == 0:
+            return "start"
+        reach = [min(brute_force_lcp(fulls[f], fulls[j]), int(packed.P[f]))
+                 for j in range(anchor)]
+        p = max(reach)
+        owners, looked = [], []
+        for j in (j for j in range(anchor) if reach[j] == p):
+            looked.append(j)
+            owner = j
+            while parent[owner] >= 0 and packed.F[parent[owner]] > p:
+                owner = parent[owner]
+            owners.append(owner)
+        if any(packed.P[o] <= p < packed.F[o] for o in owners):
+            return "drift"
+        return "rewrite" if any(self.first_sampled[j] < p for j in looked) else "independent"
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(tangles(), rollouts().map(lambda r: r.calls)), OPTIONS)
-def test_merge_equals_the_merge_over_the_whole_matrix(calls, options):
+def test_merge_equals_the_merge_with_forks_classified_by_scanning(calls, options):
     result = merge(calls, options)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr("core.merge.prefixes.Prefixes", MatrixPrefixes)
+        m.setattr("core.merge.Forest", ScanningForest)
         reference = merge(calls, options)
     assert canonical(result) == canonical(reference)
     assert result.abandoned == reference.abandoned

@@ -82,6 +82,11 @@ def test_good_task_decodes():
          'tasks.jsonl line 3: field "protected": expected an array, got a string'),
         ("{not json",
          "tasks.jsonl line 3: not valid JSON"),
+        (with_(GOOD, "verifier.reward", "binary"),
+         'tasks.jsonl line 3: field "verifier.reward": "binary" trusts the exit status'),
+        (with_(with_(GOOD, "verifier.reward", "binary"), "verifier.command",
+               "cd src && python3 -m pytest -x"),
+         'tasks.jsonl line 3: field "verifier.reward": "binary" trusts the exit status'),
     ],
 )
 def test_errors_name_line_and_field(doc, message):
