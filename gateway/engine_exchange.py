@@ -22,6 +22,7 @@ import msgspec
 
 from core.store import calls as calls_store
 from gateway.call_values import EngineResult
+from gateway.engine_client import EngineResponse
 from gateway.engine_reading import EngineReading
 from gateway.protocols.errors import GatewayError
 from gateway.upstream import StreamStalled, sse_batches
@@ -245,9 +246,8 @@ class ReplicaExchange:
             upstreams.begin(at.upstream, on_eject)
             try:
                 try:
-                    resp = await clock.wait(
-                        "engine", upstreams.post(at.upstream, sent.path, sent.encoded)
-                    )
+                    post = upstreams.post if sent.streamed else upstreams.post_whole
+                    resp = await clock.wait("engine", post(at.upstream, sent.path, sent.encoded))
                 except GatewayError as err:
                     if attempt == 0 and stale_connection(err.__cause__):
                         continue  # once more, on a new connection
@@ -271,7 +271,7 @@ class ReplicaExchange:
         raise AssertionError("unreachable")
 
     async def _answer(
-        self, at: _Attempt, resp: aiohttp.ClientResponse,
+        self, at: _Attempt, resp: aiohttp.ClientResponse | EngineResponse,
         open_stream: Callable[[], Awaitable[Relay]],
     ) -> Exchanged:  # fmt: skip
         if resp.status != 200:
@@ -280,9 +280,12 @@ class ReplicaExchange:
             return at.ended("failed", upstream_error(resp.status, await resp.read()))
         if not at.sent.streamed:
             return await self._whole(at, resp)
+        assert isinstance(resp, aiohttp.ClientResponse)  # streams go through aiohttp's client
         return await self._streamed(at, resp, await open_stream())
 
-    async def _whole(self, at: _Attempt, resp: aiohttp.ClientResponse) -> Exchanged:
+    async def _whole(
+        self, at: _Attempt, resp: aiohttp.ClientResponse | EngineResponse
+    ) -> Exchanged:
         try:
             raw = await at.clock.wait("engine", resp.read())
         except (TimeoutError, aiohttp.ClientError) as exc:

@@ -22,12 +22,16 @@ from uuid import UUID
 import aiohttp
 import numpy as np
 
+from gateway.engine_client import EngineClient, EngineResponse
 from gateway.protocols.errors import GatewayError
 from gateway.routing import Health, place, replica_seed
 
 log = logging.getLogger(__name__)
 
 _PLACEMENTS_KEPT = 200_000  # rollouts whose replica is remembered in memory
+# An idle connection is given up before the engine's own idle timeout (vLLM's
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) could close it under a request being sent.
+_KEEPALIVE_S = 4.0
 
 
 class Replica:
@@ -88,6 +92,7 @@ class Upstreams:
         replica_max_inflight: int | None = None,
     ) -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
+        self._engine = EngineClient(timeout_s, connect_timeout_s=10, keepalive_s=_KEEPALIVE_S)
         self._eject_after = eject_after
         self._probe_interval_s = probe_interval_s
         self._probe_timeout_s = probe_timeout_s
@@ -112,9 +117,7 @@ class Upstreams:
     async def open(self) -> None:
         # One pool for all requests; no per-host cap: concurrency is bounded by the harnesses.
         self.session = aiohttp.ClientSession(
-            # An idle connection is given up before the engine's own idle timeout (vLLM's
-            # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) could close it under a request being sent.
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S),
             timeout=self._timeout,
             auto_decompress=True,
         )
@@ -125,6 +128,7 @@ class Upstreams:
             self._prober.cancel()
         if self.session is not None:
             await self.session.close()
+        self._engine.close()
 
     # -- the replica set ---------------------------------------------------------------------
 
@@ -325,9 +329,19 @@ class Upstreams:
                 base + path, data=body, headers={"Content-Type": "application/json"}
             )
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise GatewayError(
-                502, f"upstream {base} unreachable: {exc or type(exc).__name__}", "upstream_error"
-            ) from exc
+            raise _unreachable(base, exc) from exc
+
+    async def post_whole(
+        self, base: str, path: str, body: bytes
+    ) -> aiohttp.ClientResponse | EngineResponse:
+        """`post` for a whole (non-streamed) answer: through the lean engine client where it
+        can (plain HTTP), aiohttp's otherwise."""
+        if not self._engine.handles(base):
+            return await self.post(base, path, body)
+        try:
+            return await self._engine.post(base, path, body)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _unreachable(base, exc) from exc
 
     async def get_json(self, base: str, path: str, timeout_s: float = 5.0):
         assert self.session is not None
@@ -348,6 +362,12 @@ class Upstreams:
                 continue
             names.update(m["id"] for m in data.get("data", ()))
         return names
+
+
+def _unreachable(base: str, exc: BaseException) -> GatewayError:
+    return GatewayError(
+        502, f"upstream {base} unreachable: {exc or type(exc).__name__}", "upstream_error"
+    )
 
 
 class StreamStalled(Exception):
