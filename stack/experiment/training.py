@@ -1,0 +1,106 @@
+"""One training segment: `rolltap bridge` trains up to a step while `rolltap rollouts` plays
+the training tasks through the gateway (the code-writer agent in sandboxes, hidden tests
+scoring), exactly as a user runs the two. A run of several segments resumes the bridge from
+its last checkpoint (`--resume`), with a new runner and run id per segment, so an evaluation
+between segments sees the weights of one step and no rollout is in flight meanwhile."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stack.experiment.servers import MODEL_NAME, Servers
+from trainer_bridge.stack.launcher import ROLLTAP
+from trainer_bridge.stack.rollouts import rollouts_command
+
+HARNESS = ["--harness", "python", "--agent", "sandbox.agents.code_writer:run"]
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    group_size: int
+    groups_per_step: int
+    learning_rate: float
+    temperature: float
+    max_staleness: int
+    seed: int
+    concurrency: int
+    threads: int
+
+    def bridge_flags(self) -> list[str]:
+        # One optimizer step = gradient_accumulation_steps micro-batches of one group each:
+        # TRL's token-budget batcher buffers per_device_train_batch_size samples per micro-batch.
+        return ["--num-generations", str(self.group_size),
+                "--learning-rate", str(self.learning_rate),
+                "--temperature", str(self.temperature),
+                "--max-staleness", str(self.max_staleness),
+                "--token-budget", "8192", "--group-deadline", "1800",
+                "--queue-size", str(2 * self.group_size * self.groups_per_step),
+                "--set", f"per_device_train_batch_size={self.group_size}",
+                "--set", f"gradient_accumulation_steps={self.groups_per_step}",
+                "--set", f"seed={self.seed}", "--threads", str(self.threads)]
+
+
+def _bridge(servers: Servers, settings: TrainSettings, out: Path, run_id: str, until: int,
+            resume: bool):
+    return servers.procs.start(
+        [*ROLLTAP, "bridge", "--model", str(servers.model_dir), "--vllm", servers.upstream,
+         "--gateway", servers.gateway_url, "--data-dir", str(servers.workdir / "data"),
+         "--max-steps", str(until), "--weight-sync", "disk",
+         "--checkpoint-dir", str(out / "checkpoints"), "--keep-checkpoints", "1",
+         "--output-dir", str(out), "--match", f"run_id={run_id}",
+         *settings.bridge_flags(), *(["--resume"] if resume else [])],
+        out / "bridge.log", env={"ROLLTAP_ADMIN_KEY": servers.admin_key})
+
+
+def segment(servers: Servers, settings: TrainSettings, tasks_file: Path, n_tasks: int, *,
+            out: Path, run_id: str, until: int, resume: bool,
+            log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Train to step `until`; returns the bridge's per-step entries of this segment."""
+    out.mkdir(parents=True, exist_ok=True)
+    progress = out / "progress.jsonl"
+    progress.unlink(missing_ok=True)
+    bridge = _bridge(servers, settings, out, run_id, until, resume)
+    per_step = settings.group_size * settings.groups_per_step
+    # Enough groups for every step plus the ones dropped (all rewards equal): the runner is
+    # stopped when the bridge is done. Repeat-major order cycles through the tasks.
+    repeat = max(2, -(-4 * until * settings.groups_per_step // max(n_tasks, 1)))
+    player = servers.procs.start(
+        rollouts_command(tasks_file, HARNESS, gateway=servers.gateway_url, model=MODEL_NAME,
+                         run_id=run_id, state=out / f"{run_id}.jsonl",
+                         group_size=settings.group_size, concurrency=settings.concurrency,
+                         repeat=repeat, max_backlog=2 * per_step),
+        out / f"{run_id}.log", env={"ROLLTAP_ADMIN_KEY": servers.admin_key})
+    log(f"   bridge log {out / 'bridge.log'}; runner log {out / f'{run_id}.log'}; "
+        f"{per_step} rollouts per step")
+    entries: list[dict[str, Any]] = []
+    started = time.monotonic()
+    while True:
+        lines = progress.read_text().splitlines() if progress.exists() else []
+        for line in lines[len(entries):]:
+            entry = json.loads(line)
+            entries.append(entry)
+            m = entry.get("metrics", {})
+            log(f"   step {entry['step']:>3}/{until}  reward {_num(entry['reward'])}  "
+                f"agreement {_num(m.get('agreement/exp_abs_dlogp'), '.4f')} "
+                f"(max {_num(m.get('agreement/exp_abs_dlogp_max'), '.3f')})  "
+                f"{time.monotonic() - started:6.0f} s")
+        if bridge.poll() is not None:
+            break
+        servers.alive()
+        time.sleep(5)
+    if player.poll() is None:
+        player.send_signal(signal.SIGTERM)
+    player.wait(600)
+    if bridge.returncode:
+        raise SystemExit(f"the bridge failed (exit {bridge.returncode}); see {out / 'bridge.log'}")
+    return entries
+
+
+def _num(value: float | None, fmt: str = "6.3f") -> str:
+    return format(value, fmt) if isinstance(value, int | float) else "   n/a"
