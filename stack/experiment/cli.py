@@ -67,8 +67,9 @@ def main(args: argparse.Namespace) -> int:
     model_dir = args.model_dir or args.workdir / "smol-model"
     if not (model_dir / "model.safetensors").exists():
         run_once([*ROLLTAP, "smol-model", str(model_dir)])
-    driver.run(config, results=args.results.resolve(), workdir=args.workdir.resolve(),
-               model_dir=model_dir.resolve(), seeds=[int(s) for s in args.seeds.split(",")],
+    seeds = [int(s) for s in args.seeds.split(",")]
+    driver.run(config, driver.plan(seeds), results=args.results.resolve(),
+               workdir=args.workdir.resolve(), model_dir=model_dir.resolve(), seeds=seeds,
                only=args.only.split(",") if args.only else None, commit=args.commit,
                log=lambda line: print(line, flush=True),
                after_part=lambda ctx: report.write(ctx.done, ctx.results))

@@ -47,13 +47,13 @@ def load_done(results: Path, names: list[str]) -> dict[str, dict[str, Any]]:
             if result_path(results, n).exists()}
 
 
-def run(config: Config, *, results: Path, workdir: Path, model_dir: Path, seeds: list[int],
-        only: list[str] | None = None, commit: bool = False,
+def run(config: Config, steps: list[tuple[str, Part]], *, results: Path, workdir: Path,
+        model_dir: Path, seeds: list[int], only: list[str] | None = None, commit: bool = False,
         log: Callable[[str], None] = print, after_part: Callable[[Context], None] | None = None
         ) -> dict[str, dict[str, Any]]:
-    """Run every part not done yet (or only those named in `only`, in plan order)."""
+    """Run every part of `steps` (`plan(seeds)`) not done yet (or only those named in `only`,
+    in that order)."""
     results.mkdir(parents=True, exist_ok=True)
-    steps = plan(seeds)
     done = load_done(results, [n for n, _ in steps])
     ctx = Context(config, workdir, results, model_dir, log, done)
     for name, part in steps:
@@ -71,7 +71,7 @@ def run(config: Config, *, results: Path, workdir: Path, model_dir: Path, seeds:
                   "wall_s": round(time.monotonic() - started, 1), "result": result}
         path = result_path(results, name)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        tmp.write_text(json.dumps(msgspec.to_builtins(record), indent=1) + "\n")
         tmp.replace(path)  # a part is done exactly when its whole file exists
         ctx.done[name] = record
         log(f"== {name}: finished in {record['wall_s'] / 60:.1f} min; {path}")

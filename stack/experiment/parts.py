@@ -46,7 +46,8 @@ class Config(msgspec.Struct, frozen=True):
     steps: int = 20
     learning_rate: float = 2e-5
     max_staleness: int = 2
-    concurrency: int = 8
+    concurrency: int = 8  # sandboxes of the training runner
+    eval_concurrency: int = 16  # requests in flight to vLLM while evaluating
     threads: int = 2
     length_fraction: float = 0.5  # positive control target: this x the base median reply
     eval_seed: int = 1000  # seed base of the "before"/after arms; the A/A's second arm adds 1
@@ -72,7 +73,7 @@ def _eval(ctx: Context, servers: Servers, label: str, tasks: list[dict[str, Any]
     ctx.log(f"   evaluating {label}: {len(tasks)} prompts x {samples} samples")
     ev = evaluate(label, tasks, upstream=servers.upstream, model=MODEL_NAME, samples=samples,
                   seed_base=seed_base, temperature=ctx.config.temperature,
-                  concurrency=ctx.config.concurrency, log=ctx.log)
+                  concurrency=ctx.config.eval_concurrency, log=ctx.log)
     inside = ev.outcomes()
     ctx.log(f"   {label}: pass@1 {_mean_rate(inside):.3f} over {len(inside)} prompts, "
             f"verdicts {ev.verdicts()}, {ev.seconds:.0f} s")
@@ -154,7 +155,7 @@ def positive(ctx: Context) -> dict[str, Any]:
     with _servers(ctx, "positive", gateway=True) as servers:
         entries = segment(servers, _settings(ctx, 0), control, len(train),
                           out=ctx.workdir / "positive" / "bridge", run_id="r-positive",
-                          until=c.steps, resume=False, log=ctx.log)
+                          until=c.steps, resume=False, state_every=c.steps, log=ctx.log)
     return {"reward": "reply length target", "length_target": target,
             "steps": _step_summary(entries), "startup_s": servers.startup_s}
 
@@ -187,7 +188,7 @@ def train(ctx: Context, seed: int) -> dict[str, Any]:
         for label, until, resume in ((f"step{mid}", mid, False), ("after", c.steps, True)):
             entries = segment(servers, _settings(ctx, seed), tasks_file, len(train_tasks),
                               out=out, run_id=f"r-{name}-{until}", until=until,
-                              resume=resume, log=ctx.log)
+                              resume=resume, state_every=max(mid, 1), log=ctx.log)
             steps += _step_summary(entries)
             evaluations.append(_eval(ctx, servers, label, heldout, c.eval_samples,
                                      c.eval_seed))
@@ -198,6 +199,7 @@ def train(ctx: Context, seed: int) -> dict[str, Any]:
         result[f"vs_before_{ev.label}"] = stats.summary(before.outcomes(), ev.outcomes())
         result[f"structural_vs_before_{ev.label}"] = stats.summary(before.structural(),
                                                                    ev.structural())
-        result[f"ood_vs_before_{ev.label}"] = stats.summary(before.outcomes(ood=True),
-                                                            ev.outcomes(ood=True))
+        if before.ood:
+            result[f"ood_vs_before_{ev.label}"] = stats.summary(before.outcomes(ood=True),
+                                                                ev.outcomes(ood=True))
     return result

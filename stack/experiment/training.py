@@ -47,25 +47,29 @@ class TrainSettings:
 
 
 def _bridge(servers: Servers, settings: TrainSettings, out: Path, run_id: str, until: int,
-            resume: bool):
+            resume: bool, state_every: int):
     return servers.procs.start(
         [*ROLLTAP, "bridge", "--model", str(servers.model_dir), "--vllm", servers.upstream,
          "--gateway", servers.gateway_url, "--data-dir", str(servers.workdir / "data"),
          "--max-steps", str(until), "--weight-sync", "disk",
          "--checkpoint-dir", str(out / "checkpoints"), "--keep-checkpoints", "1",
+         # The optimizer state (twice the weights) is written only where a later segment
+         # resumes: every step it was a fixed cost of seconds per step.
+         "--state-every", str(state_every),
          "--output-dir", str(out), "--match", f"run_id={run_id}",
          *settings.bridge_flags(), *(["--resume"] if resume else [])],
         out / "bridge.log", env={"ROLLTAP_ADMIN_KEY": servers.admin_key})
 
 
 def segment(servers: Servers, settings: TrainSettings, tasks_file: Path, n_tasks: int, *,
-            out: Path, run_id: str, until: int, resume: bool,
+            out: Path, run_id: str, until: int, resume: bool, state_every: int,
             log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Train to step `until`; returns the bridge's per-step entries of this segment."""
+    """Train to step `until` (resuming from the last resumable checkpoint if `resume`; one is
+    written every `state_every` steps); returns the bridge's per-step entries of this segment."""
     out.mkdir(parents=True, exist_ok=True)
     progress = out / "progress.jsonl"
     progress.unlink(missing_ok=True)
-    bridge = _bridge(servers, settings, out, run_id, until, resume)
+    bridge = _bridge(servers, settings, out, run_id, until, resume, state_every)
     per_step = settings.group_size * settings.groups_per_step
     # Enough groups for every step plus the ones dropped (all rewards equal): the runner is
     # stopped when the bridge is done. Repeat-major order cycles through the tasks.
