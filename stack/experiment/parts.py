@@ -9,6 +9,8 @@ skips a part whose result exists.
   spread gives the design's minimum detectable effect. Its first arm is also every training
   seed's "before" (the same weights and seeds).
 - `train-N`: training seed N on the real reward, evaluated midway and after.
+- `shuffled-N`: the same with rewards permuted within each group (`rolltap bridge
+  --shuffle-rewards`): the held-out change the loop makes without a real signal.
 """
 
 from __future__ import annotations
@@ -131,10 +133,10 @@ def task_sets(ctx: Context) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
     return train, heldout
 
 
-def _settings(ctx: Context, seed: int) -> TrainSettings:
+def _settings(ctx: Context, seed: int, shuffle_rewards: bool = False) -> TrainSettings:
     c = ctx.config
     return TrainSettings(c.group_size, c.groups_per_step, c.learning_rate, c.temperature,
-                         c.max_staleness, seed, c.concurrency, c.threads)
+                         c.max_staleness, seed, c.concurrency, c.threads, shuffle_rewards)
 
 
 def _step_summary(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -175,24 +177,27 @@ def aa(ctx: Context) -> dict[str, Any]:
     return out
 
 
-def train(ctx: Context, seed: int) -> dict[str, Any]:
+def train(ctx: Context, seed: int, shuffle_rewards: bool = False) -> dict[str, Any]:
+    """Training seed `seed` (with `shuffle_rewards`: the shuffled-reward control)."""
     c = ctx.config
     train_tasks, heldout = task_sets(ctx)
     before = msgspec.convert(ctx.done["aa"]["result"]["arms"][0], Evaluation)
-    name = f"train-{seed}"
+    name = f"{'shuffled' if shuffle_rewards else 'train'}-{seed}"
     tasks_file = ctx.results / "tasks" / "train.jsonl"
     out = ctx.workdir / name / "bridge"
     evaluations, steps = [before], []
     mid = c.steps // 2
     with _servers(ctx, name, gateway=True) as servers:
         for label, until, resume in ((f"step{mid}", mid, False), ("after", c.steps, True)):
-            entries = segment(servers, _settings(ctx, seed), tasks_file, len(train_tasks),
+            entries = segment(servers, _settings(ctx, seed, shuffle_rewards), tasks_file,
+                              len(train_tasks),
                               out=out, run_id=f"r-{name}-{until}", until=until,
                               resume=resume, state_every=max(mid, 1), log=ctx.log)
             steps += _step_summary(entries)
             evaluations.append(_eval(ctx, servers, label, heldout, c.eval_samples,
                                      c.eval_seed))
-    result = {"seed": seed, "steps": steps, "startup_s": servers.startup_s,
+    result = {"seed": seed, "shuffle_rewards": shuffle_rewards, "steps": steps,
+              "startup_s": servers.startup_s,
               "evaluations": [msgspec.to_builtins(e) for e in evaluations[1:]],
               "before": "aa arm A (same weights and seeds)"}
     for ev in evaluations[1:]:

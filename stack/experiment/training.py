@@ -31,6 +31,8 @@ class TrainSettings:
     seed: int
     concurrency: int
     threads: int
+    shuffle_rewards: bool = False  # the shuffled-reward control
+
 
     def bridge_flags(self) -> list[str]:
         # One optimizer step = gradient_accumulation_steps micro-batches of one group each:
@@ -43,7 +45,8 @@ class TrainSettings:
                 "--queue-size", str(2 * self.group_size * self.groups_per_step),
                 "--set", f"per_device_train_batch_size={self.group_size}",
                 "--set", f"gradient_accumulation_steps={self.groups_per_step}",
-                "--set", f"seed={self.seed}", "--threads", str(self.threads)]
+                "--set", f"seed={self.seed}", "--threads", str(self.threads),
+                *(["--shuffle-rewards"] if self.shuffle_rewards else [])]
 
 
 def _bridge(servers: Servers, settings: TrainSettings, out: Path, run_id: str, until: int,
