@@ -10,6 +10,9 @@ recording gateway, the code-writer agent in sandboxes, hidden pytest tests as th
   aa         the base model evaluated twice (different seeds): calibrates the paired test and
              gives the minimum detectable effect at 80 % power
   train-N    training seed N: held-out pass@1 midway and after, paired against the base
+  shuffled-N the first seed again with rewards shuffled within each group (must not move)
+  agent-N    the first seed with the two-call agent (write, see what running it printed,
+             revise): the merge and exact continuation in the loop
 
 Each part writes RESULTS/PART.json (commit, configuration, wall time, numbers) when it
 finishes; rerunning the same command skips finished parts, so a run spread over several

@@ -23,14 +23,16 @@ Part = Callable[[Context], dict[str, Any]]
 
 def plan(seeds: list[int]) -> list[tuple[str, Part]]:
     """The parts in the order they run: screening, the positive control, the A/A, the first
-    seed, the shuffled-reward control, the other seeds."""
+    seed, the shuffled-reward control, the two-call agent, the other seeds."""
     steps: list[tuple[str, Part]] = [("screen", parts.screen), ("positive", parts.positive),
                                      ("aa", parts.aa)]
     for i, seed in enumerate(seeds):
         steps.append((f"train-{seed}", lambda ctx, s=seed: parts.train(ctx, s)))
-        if i == 0:  # the control right after the first seed, before the others
+        if i == 0:  # the controls right after the first seed, before the others
             steps.append((f"shuffled-{seed}",
                           lambda ctx, s=seed: parts.train(ctx, s, shuffle_rewards=True)))
+            steps.append((f"agent-{seed}",
+                          lambda ctx, s=seed: parts.train(ctx, s, two_calls=True)))
     return steps
 
 

@@ -11,6 +11,8 @@ skips a part whose result exists.
 - `train-N`: training seed N on the real reward, evaluated midway and after.
 - `shuffled-N`: the same with rewards permuted within each group (`rolltap bridge
   --shuffle-rewards`): the held-out change the loop makes without a real signal.
+- `agent-N`: the real reward with the two-call agent (write, see what running the file
+  printed, revise), so the gateway's merge and exact continuation are in the loop.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from stack.experiment.evaluation import Evaluation, evaluate
 from stack.experiment.servers import MODEL_NAME, Servers
 from stack.experiment.tasks import generate, length_variant, prompts, read_tasks, write_tasks
 from stack.experiment.templates import IN_DISTRIBUTION, OUT_OF_DISTRIBUTION
-from stack.experiment.training import TrainSettings, segment
+from stack.experiment.training import ONE_CALL, TWO_CALLS, TrainSettings, segment
 
 
 class Config(msgspec.Struct, frozen=True):
@@ -133,10 +135,11 @@ def task_sets(ctx: Context) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
     return train, heldout
 
 
-def _settings(ctx: Context, seed: int, shuffle_rewards: bool = False) -> TrainSettings:
+def _settings(ctx: Context, seed: int, shuffle_rewards: bool = False,
+              agent: str = ONE_CALL) -> TrainSettings:
     c = ctx.config
     return TrainSettings(c.group_size, c.groups_per_step, c.learning_rate, c.temperature,
-                         c.max_staleness, seed, c.concurrency, c.threads, shuffle_rewards)
+                         c.max_staleness, seed, c.concurrency, c.threads, shuffle_rewards, agent)
 
 
 def _step_summary(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -177,26 +180,29 @@ def aa(ctx: Context) -> dict[str, Any]:
     return out
 
 
-def train(ctx: Context, seed: int, shuffle_rewards: bool = False) -> dict[str, Any]:
-    """Training seed `seed` (with `shuffle_rewards`: the shuffled-reward control)."""
+def train(ctx: Context, seed: int, shuffle_rewards: bool = False,
+          two_calls: bool = False) -> dict[str, Any]:
+    """Training seed `seed` (with `shuffle_rewards`: the shuffled-reward control; with
+    `two_calls`: rollouts of the two-call agent, whose second call continues the first)."""
     c = ctx.config
     train_tasks, heldout = task_sets(ctx)
     before = msgspec.convert(ctx.done["aa"]["result"]["arms"][0], Evaluation)
-    name = f"{'shuffled' if shuffle_rewards else 'train'}-{seed}"
+    name = f"{'shuffled' if shuffle_rewards else 'agent' if two_calls else 'train'}-{seed}"
+    agent = TWO_CALLS if two_calls else ONE_CALL
     tasks_file = ctx.results / "tasks" / "train.jsonl"
     out = ctx.workdir / name / "bridge"
     evaluations, steps = [before], []
     mid = c.steps // 2
     with _servers(ctx, name, gateway=True) as servers:
         for label, until, resume in ((f"step{mid}", mid, False), ("after", c.steps, True)):
-            entries = segment(servers, _settings(ctx, seed, shuffle_rewards), tasks_file,
+            entries = segment(servers, _settings(ctx, seed, shuffle_rewards, agent), tasks_file,
                               len(train_tasks),
                               out=out, run_id=f"r-{name}-{until}", until=until,
                               resume=resume, state_every=max(mid, 1), log=ctx.log)
             steps += _step_summary(entries)
             evaluations.append(_eval(ctx, servers, label, heldout, c.eval_samples,
                                      c.eval_seed))
-    result = {"seed": seed, "shuffle_rewards": shuffle_rewards, "steps": steps,
+    result = {"seed": seed, "shuffle_rewards": shuffle_rewards, "agent": agent, "steps": steps,
               "startup_s": servers.startup_s,
               "evaluations": [msgspec.to_builtins(e) for e in evaluations[1:]],
               "before": "aa arm A (same weights and seeds)"}

@@ -21,7 +21,7 @@ def prompt_table(done: dict[str, dict[str, Any]], results: Path) -> list[Path]:
         return written
     before = done["aa"]["result"]["arms"][0]
     for name, record in sorted(done.items()):
-        if not name.startswith(("train-", "shuffled-")):
+        if not name.startswith(("train-", "shuffled-", "agent-")):
             continue
         arms = [before, *record["result"]["evaluations"]]
         rates = [_pass_rates(a) for a in arms]
@@ -54,7 +54,7 @@ def plot(done: dict[str, dict[str, Any]], path: Path) -> Path | None:
              title="training reward (in-sample)")
     left.legend(fontsize=8)
     for name, record in sorted(done.items()):
-        if not name.startswith(("train-", "shuffled-")):
+        if not name.startswith(("train-", "shuffled-", "agent-")):
             continue
         res = record["result"]
         points = [(0, res["vs_before_" + res["evaluations"][0]["label"]]["a"], 0.0, 0.0)]

@@ -18,7 +18,8 @@ from stack.experiment.servers import MODEL_NAME, Servers
 from trainer_bridge.stack.launcher import ROLLTAP
 from trainer_bridge.stack.rollouts import rollouts_command
 
-HARNESS = ["--harness", "python", "--agent", "sandbox.agents.code_writer:run"]
+ONE_CALL = "sandbox.agents.code_writer:run"
+TWO_CALLS = "sandbox.agents.code_reviser:run"  # write, see what running it printed, revise
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class TrainSettings:
     concurrency: int
     threads: int
     shuffle_rewards: bool = False  # the shuffled-reward control
+    agent: str = ONE_CALL
 
 
     def bridge_flags(self) -> list[str]:
@@ -78,7 +80,8 @@ def segment(servers: Servers, settings: TrainSettings, tasks_file: Path, n_tasks
     # stopped when the bridge is done. Repeat-major order cycles through the tasks.
     repeat = max(2, -(-4 * until * settings.groups_per_step // max(n_tasks, 1)))
     player = servers.procs.start(
-        rollouts_command(tasks_file, HARNESS, gateway=servers.gateway_url, model=MODEL_NAME,
+        rollouts_command(tasks_file, ["--harness", "python", "--agent", settings.agent],
+                         gateway=servers.gateway_url, model=MODEL_NAME,
                          run_id=run_id, state=out / f"{run_id}.jsonl",
                          group_size=settings.group_size, concurrency=settings.concurrency,
                          repeat=repeat, max_backlog=2 * per_step),

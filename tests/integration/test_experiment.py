@@ -70,3 +70,15 @@ def test_seeded_evaluation_and_a_resumed_run(vllm_server, tmp_path):
                       model_dir=vllm_server.model_dir, seeds=[0])
     assert ran == ["second"] and set(done) == {"eval", "second"}
     assert json.loads((results / "second.json").read_text())["result"] == {"ok": True}
+
+
+def test_two_call_agent_shows_the_model_what_running_its_file_printed(tmp_path):
+    from sandbox.agents.code_reviser import revise_message, run_output
+
+    path = tmp_path / "f.py"
+    path.write_text("def f(x):\n    return x\nprint(f(3))\nraise ValueError('boom')\n")
+    output = run_output(path)
+    assert output.startswith("(exit status 1)") and "3" in output and "ValueError: boom" in output
+    path.write_text("def f(x):\n    return x\n")
+    assert run_output(path) == "(exit status 0, no output)"
+    assert "python f.py" in revise_message(path, "x") and "```python" in revise_message(path, "x")
