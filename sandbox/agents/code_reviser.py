@@ -15,6 +15,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from sandbox.agents.code_writer import (
     MAX_TOKENS,
@@ -52,7 +53,8 @@ def run(*, prompt: str, base_url: str, api_key: str, model: str, workdir: str) -
 
     path = target_file(workdir)
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=1, timeout=600)
-    messages = [{"role": "system", "content": SYSTEM},
+    # Plain dicts, as the SDK sends them (its TypedDicts are for literals).
+    messages: list[Any] = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": user_message(prompt, path)}]
     replies = []
     for turn in range(2):
