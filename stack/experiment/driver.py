@@ -36,7 +36,11 @@ def plan(seeds: list[int]) -> list[tuple[str, Part]]:
     return steps
 
 
-def git_commit_id(repo: Path) -> str:
+CODE = Path(__file__).resolve().parents[2]  # the checkout this code runs from
+
+
+def git_commit_id(repo: Path = CODE) -> str:
+    """The commit of the code (a "-dirty" suffix when tracked files differ from it)."""
     out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                            capture_output=True, text=True).stdout.strip()
@@ -71,7 +75,7 @@ def run(config: Config, steps: list[tuple[str, Part]], *, results: Path, workdir
         log(f"== {name}: started {datetime.datetime.now().isoformat(timespec='seconds')}")
         started = time.monotonic()
         result = part(ctx)
-        record = {"part": name, "commit": git_commit_id(results),
+        record = {"part": name, "commit": git_commit_id(),
                   "config": msgspec.to_builtins(config), "seeds": seeds,
                   "finished": datetime.datetime.now().isoformat(timespec="seconds"),
                   "wall_s": round(time.monotonic() - started, 1), "result": result}
