@@ -26,9 +26,11 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/rolltap/src
 COPY pyproject.toml README.md ./
+COPY core core
 COPY gateway gateway
 COPY trainer_bridge trainer_bridge
 COPY sandbox sandbox
+COPY stack stack
 COPY examples examples
 # torchvision, torchaudio and torchcodec come with the CPU build but do not match its torch and
 # break transformers' imports (see the Makefile); text models need none of them.

@@ -116,7 +116,7 @@ lint: install
 	$(BIN)/pyright
 
 # On a GPU node (at least two GPUs): vLLM and the bridge with NCCL weight sync for 2 optimizer
-# steps of the tiny model, PASS or FAIL per stage (trainer_bridge/stack/gpu_check.py). Its own
+# steps of the tiny model, PASS or FAIL per stage (stack/gpu_check.py). Its own
 # environment (the CUDA build of vLLM, not the CPU one the tests use). Without a GPU it stops at the first
 # stage, before installing anything.
 GPU_VENV  := .venv-gpu
@@ -129,9 +129,9 @@ $(GPU_STAMP): pyproject.toml
 	touch $(GPU_STAMP)
 
 gpu-check:
-	$(PY) -m trainer_bridge.stack.gpu_check --preflight
+	$(PY) -m stack.gpu_check --preflight
 	$(MAKE) $(GPU_STAMP)
-	$(GPU_VENV)/bin/python -m trainer_bridge.stack.gpu_check
+	$(GPU_VENV)/bin/python -m stack.gpu_check
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) $(HARBOR_VENV) .cache .pytest_cache

@@ -1,7 +1,7 @@
 """Exact continuation on the tiny model: how many turns continue exactly, and what rendering
 the continuation costs per request.
 
-Real parts: vLLM (CPU build) on a freshly built tiny model, gateways (`python -m gateway.cli
+Real parts: vLLM (CPU build) on a freshly built tiny model, gateways (`python -m core.cli
 gateway`) recording into a fresh Postgres database. The same tool-using conversations (openai
 SDK, forced strict tool calls, as the tests make them) run through three gateways:
 `--continuation render` (the engine re-renders every conversation), `exact` with the engine
@@ -80,7 +80,7 @@ class _Gateway:
     def __init__(self, upstream: str, dsn: str, extra: tuple[str, ...], log_path: Path) -> None:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.args = [
-            sys.executable, "-m", "gateway.cli", "gateway", "--upstream", upstream,
+            sys.executable, "-m", "core.cli", "gateway", "--upstream", upstream,
             "--port", self.url.rsplit(":", 1)[1], "--database-url", dsn,
             "--admin-key", ADMIN_KEY, "--log-level", "WARNING", *extra,
         ]  # fmt: skip
@@ -247,8 +247,8 @@ def run(print_fn=print) -> dict:
         if upstream:
             model_dir = Path(os.environ["ROLLTAP_BENCH_MODEL_DIR"])
         else:
-            from trainer_bridge.serve_model import start_vllm
-            from trainer_bridge.tiny_model import write_tiny_model
+            from stack.serve_model import start_vllm
+            from stack.tiny_model import write_tiny_model
 
             model_dir = write_tiny_model(tmp_dir / "tiny")
             vllm = start_vllm(

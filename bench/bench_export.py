@@ -49,7 +49,7 @@ def _request(i: int) -> bytes:
 async def _fill(dsn: str, n: int) -> None:
     import zstandard
 
-    from gateway.store.db import open_pool
+    from core.store.db import open_pool
 
     pool = await open_pool(dsn, min_size=1, max_size=2)
     rng = np.random.default_rng(0)
@@ -100,7 +100,7 @@ def _export(dsn: str, out: Path) -> tuple[float, float]:
         "print(time.monotonic() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", probe, sys.executable, "-m", "gateway.cli", "export", str(out),
+        [sys.executable, "-c", probe, sys.executable, "-m", "core.cli", "export", str(out),
          "--database-url", dsn, "--quiet"],
         cwd=REPO, capture_output=True, text=True, check=True)
     seconds, kib = result.stdout.split()[-2:]

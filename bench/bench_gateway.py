@@ -3,7 +3,7 @@ recording on, side by side in one run.
 
 The upstream is the STAND-IN (`bench/standin.py`): real recorded vLLM responses replayed with no
 delay, so whatever the gateway adds is not hidden behind a real engine's token time. Every process
-is separate, as in a deployment: the stand-in, the gateway (`python -m gateway.cli gateway`, real
+is separate, as in a deployment: the stand-in, the gateway (`python -m core.cli gateway`, real
 Postgres in a fresh database dropped afterwards) and the load generator (this module with
 `--loadgen`, an aiohttp client with keep-alive, one rollout per simulated harness).
 
@@ -375,7 +375,7 @@ class Gateway:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.args = [
-            sys.executable, "-m", "gateway.cli", "gateway", "--upstream", upstream,
+            sys.executable, "-m", "core.cli", "gateway", "--upstream", upstream,
             "--port", str(self.port), "--database-url", dsn, "--admin-key", ADMIN_KEY,
             "--log-level", log_level,
             # The bench drives each rollout far faster than an agent: its CPU is measured here,

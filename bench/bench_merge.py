@@ -1,4 +1,4 @@
-"""Benchmark of gateway.merge: merge time and stored bytes for synthetic agent rollouts.
+"""Benchmark of core.merge: merge time and stored bytes for synthetic agent rollouts.
 
 Bytes counted per call: prompt ids 4 B/token; completion ids, logprobs and policy versions
 4 + 4 + 4 B per sampled token. "naive" stores every call's whole prompt; "linear" stores only the
@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from gateway.merge import merge
-from gateway.merge.prefixes import best_base
-from gateway.merge.values import CallTokens
+from core.merge import merge
+from core.merge.prefixes import best_base
+from core.merge.values import CallTokens
 
 VOCAB = 150_000
 SYSTEM_TOKENS = 3_000

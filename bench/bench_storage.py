@@ -4,7 +4,7 @@
    call's best base (4 B a token), completion ids, logprobs and versions (12 B a sampled token),
    the compressed reply summary, and the request body, whole (before: every call stores its
    whole conversation again) or as a delta against its base call's body (now,
-   gateway/store/bodies.py). The goal: at most 1.2x the rollout's unique tokens at 4 B each plus
+   core/store/bodies.py). The goal: at most 1.2x the rollout's unique tokens at 4 B each plus
    its new text compressed (each call's added request bytes and its reply, zstd per call).
    The conversation is synthetic but shaped like a coding agent's: a long system prompt and
    tool list, then tool calls and tool results of a few hundred to a few thousand tokens of
@@ -32,13 +32,13 @@ import msgspec
 import numpy as np
 import zstandard
 
+from core.merge.prefixes import best_base
+from core.store import bodies
 from gateway import engine_ids
 from gateway.continuation.keys import RequestKeys
-from gateway.merge.prefixes import best_base
 from gateway.protocols import chat
 from gateway.protocols.normalize import normalize_messages
 from gateway.rollout_memory import RecentCalls
-from gateway.store import bodies
 
 CALLS = 200
 CHARS_PER_TOKEN = 4

@@ -27,8 +27,8 @@ import numpy as np
 
 from bench.bench_gateway import TARGET_POSTGRES_CPU_US
 from bench.recorder_variants import _records, migrated
-from gateway.store import calls as calls_store
-from gateway.store import rollouts as rollouts_store
+from core.store import calls as calls_store
+from core.store import rollouts as rollouts_store
 
 ROUNDS = 7
 ROLLOUTS = 64

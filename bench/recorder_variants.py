@@ -26,10 +26,10 @@ import numpy as np
 import zstandard
 
 from bench.bench_gateway import cpu_times
-from gateway.store import calls as calls_store
-from gateway.store import rollouts as rollouts_store
-from gateway.store.db import init_connection
-from gateway.store.migrations import migrate
+from core.store import calls as calls_store
+from core.store import rollouts as rollouts_store
+from core.store.db import init_connection
+from core.store.migrations import migrate
 
 # The same rows as INSERT, many in one statement: each column an array, unnested in row order.
 # Reply keys are fixed-size digests of varying count per row, and Postgres arrays are

@@ -403,8 +403,8 @@ def record(data_dir: Path = DATA, upstream: str | None = None) -> dict:
     model (the one the tests use)."""
     if upstream:
         return record_from(upstream, data_dir)
-    from trainer_bridge.serve_model import start_vllm
-    from trainer_bridge.tiny_model import write_tiny_model
+    from stack.serve_model import start_vllm
+    from stack.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="rolltap-bench-model-") as tmp:
         model_dir = write_tiny_model(Path(tmp) / "tiny")

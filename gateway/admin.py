@@ -12,19 +12,19 @@ import asyncpg
 import msgspec
 from aiohttp import web
 
+from core.merge.values import SideCalls
+from core.store import calls as calls_store
+from core.store import rollouts as rollouts_store
+from core.store import traces as traces_store
+from core.store import values
+from core.store.ledger import rollout_reason
 from gateway.admin_http import admin_app, decode_body, json_response
 from gateway.app_keys import CONFIG, MEMORY, POLICY, POOL, ROLLOUT_KEYS
 from gateway.auth import hash_key, new_rollout_key
 from gateway.call_request import sampling_policy
 from gateway.continuation.splice import counts as continuation_counts
 from gateway.finalize import merge_rollout
-from gateway.merge.values import SideCalls
 from gateway.protocols.errors import GatewayError
-from gateway.store import calls as calls_store
-from gateway.store import rollouts as rollouts_store
-from gateway.store import traces as traces_store
-from gateway.store import values
-from gateway.store.ledger import rollout_reason
 
 routes = web.RouteTableDef()
 
@@ -39,7 +39,7 @@ class NewRollout(msgspec.Struct, forbid_unknown_fields=True):
     group_id: str | None = None
     metadata: dict = {}
     timeout_s: _Timeout | None = None
-    # Which toolless calls are a harness's side calls, not trained (gateway/merge/).
+    # Which toolless calls are a harness's side calls, not trained (core/merge/).
     side_calls: SideCalls = "auto"
 
 

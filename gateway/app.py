@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import web
 
+from core.store import rollouts as rollouts_store
+from core.store import traces as traces_store
+from core.store.db import UNAVAILABLE
 from gateway import admin, admin_upstreams, health, traffic, viewer
 from gateway.app_keys import (
     ADMISSION,
@@ -35,9 +38,6 @@ from gateway.protocols import anthropic, chat, completions, responses
 from gateway.protocols.adapter import Adapter
 from gateway.protocols.errors import GatewayError
 from gateway.recording import RETRY_AFTER_S
-from gateway.store import rollouts as rollouts_store
-from gateway.store import traces as traces_store
-from gateway.store.db import UNAVAILABLE
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime

@@ -17,8 +17,8 @@ from uuid import UUID
 
 import asyncpg
 
+from core.store import rollouts as rollouts_store
 from gateway.protocols.errors import GatewayError
-from gateway.store import rollouts as rollouts_store
 
 KEY_PREFIX = "rt-"
 # Refused keys remembered, so one that is sent again costs no query (issue #28: a rollout's

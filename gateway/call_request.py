@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
+from core.store import bodies, values
 from gateway import response_chain
 from gateway.call_values import ParsedCall
 from gateway.constraints import CAPTURE_OFF, constraints, strip_unknown
@@ -13,7 +14,6 @@ from gateway.protocols.adapter import Adapter
 from gateway.protocols.errors import GatewayError
 from gateway.protocols.normalize import normalize_messages
 from gateway.protocols.resumable import Layout
-from gateway.store import bodies, values
 
 # Sampling parameters a harness may ask for. They are recorded as requested and replaced by the
 # training policy's: the trainer's importance ratio is only right if the recorded logprobs are

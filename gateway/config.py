@@ -1,27 +1,20 @@
 """`GatewayConfig`: every knob of `rolltap gateway` declared once, as a dataclass whose fields
 carry their flag's help; its flags and `ROLLTAP_*` variables are generated from the fields
-(gateway/knobs.py says how they are named). Precedence: flag, then variable, then default."""
+(core/knobs.py says how they are named). Precedence: flag, then variable, then default."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway import knobs
-from gateway.knobs import knob
-from gateway.merge.values import MergeOptions
-
-
-def default_data_dir() -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(
-        os.path.expanduser("~"), ".local", "share"
-    )
-    return Path(base) / "rolltap"
+from core import knobs
+from core.knobs import knob
+from core.merge.values import MergeOptions
+from core.paths import default_data_dir
 
 
 def _opt(help: str, metavar: str | None = None, **kwargs: Any) -> dict:

@@ -12,11 +12,11 @@ import aiohttp
 import msgspec
 import numpy as np
 
+from core.store.tokens import IDS, LOGPROBS
 from gateway import engine_ids
 from gateway.call_values import EngineResult
 from gateway.capture import Capture
 from gateway.protocols.errors import GatewayError
-from gateway.store.tokens import IDS, LOGPROBS
 
 if TYPE_CHECKING:
     from gateway.continuation.planner import Turn

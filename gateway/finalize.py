@@ -1,7 +1,7 @@
 """Ending a rollout: merge its calls into traces, store them, announce them.
 
 Runs on finish, on deadline expiry, and for any ended rollout found unmerged (a gateway that
-died between the two). The merge itself is pure (gateway/merge/) and runs in a worker thread:
+died between the two). The merge itself is pure (core/merge/) and runs in a worker thread:
 a 200-call rollout takes milliseconds, but the event loop serves streams meanwhile.
 """
 
@@ -15,10 +15,10 @@ import asyncpg
 import msgspec
 import numpy as np
 
-from gateway.merge import merge
-from gateway.merge.values import STATUSES, CallTokens, MergeOptions
-from gateway.store import traces as traces_store
-from gateway.store.tokens import (
+from core.merge import merge
+from core.merge.values import STATUSES, CallTokens, MergeOptions
+from core.store import traces as traces_store
+from core.store.tokens import (
     StoredTokens,
     ids_from_bytes,
     logprobs_from_bytes,

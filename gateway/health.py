@@ -15,9 +15,9 @@ from collections.abc import Awaitable, Callable
 
 import asyncpg
 
+from core.store.db import UNAVAILABLE
 from gateway.auth import check_admin
 from gateway.protocols.errors import GatewayError
-from gateway.store.db import UNAVAILABLE
 
 DATABASE_CHECK_EVERY_S = 1.0
 _DATABASE_TIMEOUT_S = 0.8  # a frozen database must make the answer "down", not no answer

@@ -22,9 +22,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from core.store.calls import CallRecord
+from core.store.ledger import CAUSES as LEDGER_CAUSES
 from gateway.stage_cpu import StageCpu
-from gateway.store.calls import CallRecord
-from gateway.store.ledger import CAUSES as LEDGER_CAUSES
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 

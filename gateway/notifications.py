@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import asyncpg
 
 if TYPE_CHECKING:
-    from gateway.store.conn import Conn
+    from core.store.conn import Conn
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from core.store import calls as calls_store
 from gateway import call_request
 from gateway.admission import RunningCall
 from gateway.app_keys import STREAM_STARTED
@@ -25,10 +26,10 @@ from gateway.engine_exchange import EngineCall, stale_connection, upstream_error
 from gateway.protocols.adapter import CHAT_PATH, Adapter, Stream
 from gateway.protocols.errors import GatewayError
 from gateway.stage_cpu import Clock, StageCpu
-from gateway.store import calls as calls_store
 from gateway.upstream import StreamStalled, sse_batches
 
 if TYPE_CHECKING:
+    from core.store.conn import Pool
     from gateway.admission import Admission
     from gateway.capture import Capture
     from gateway.config import GatewayConfig
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from gateway.recording import Recording
     from gateway.rollout_memory import RolloutMemory
     from gateway.served_models import ServedModels
-    from gateway.store.conn import Pool
     from gateway.upstream import Upstreams
 
 log = logging.getLogger(__name__)

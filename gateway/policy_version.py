@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from gateway.store import rollouts as rollouts_store
+from core.store import rollouts as rollouts_store
 
 if TYPE_CHECKING:
-    from gateway.store.conn import Conn
+    from core.store.conn import Conn
 
 log = logging.getLogger(__name__)
 

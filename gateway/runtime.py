@@ -13,6 +13,10 @@ from uuid import UUID
 import asyncpg
 from aiohttp import web
 
+from core.merge import MAX_CALLS
+from core.store import calls as calls_store
+from core.store import rollouts as rollouts_store
+from core.store import traces as traces_store
 from gateway import app_keys
 from gateway.admission import Admission
 from gateway.auth import RolloutKeys
@@ -25,7 +29,6 @@ from gateway.continuation.rendering import RenderError
 from gateway.continuation.window import WindowedRenderer
 from gateway.finalize import merge_rollout
 from gateway.health import DatabaseCheck, database_health
-from gateway.merge import MAX_CALLS
 from gateway.metrics import Metrics
 from gateway.notifications import Notifications
 from gateway.pipeline import Pipeline
@@ -33,13 +36,10 @@ from gateway.policy_version import PolicyVersion
 from gateway.recording import Recorder, Recording
 from gateway.rollout_memory import RolloutMemory
 from gateway.served_models import ServedModels
-from gateway.store import calls as calls_store
-from gateway.store import rollouts as rollouts_store
-from gateway.store import traces as traces_store
 from gateway.upstream import Upstreams
 
 if TYPE_CHECKING:
-    from gateway.store.conn import Conn
+    from core.store.conn import Conn
 
 log = logging.getLogger(__name__)
 

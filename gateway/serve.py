@@ -37,12 +37,12 @@ def register(subparsers) -> None:
 async def _serve(cfg) -> None:
     from aiohttp import web
 
+    from core.store.db import open_pool, start_embedded
+    from core.store.migrations import SchemaTooNew
     from gateway import access_log
     from gateway.app import build_app
     from gateway.app_keys import ADMISSION
     from gateway.runtime import Runtime
-    from gateway.store.db import open_pool, start_embedded
-    from gateway.store.migrations import SchemaTooNew
 
     dsn = cfg.database_url
     if dsn is None:

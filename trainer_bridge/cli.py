@@ -147,8 +147,8 @@ def _take_back_unsaved(checkpoint_dir, database_url: str) -> None:
 def _database_url(config) -> str:
     if config.database_url:
         return config.database_url
-    from gateway.config import default_data_dir
-    from gateway.store.db import start_embedded
+    from core.paths import default_data_dir
+    from core.store.db import start_embedded
 
     data_dir = config.data_dir or default_data_dir()
     print(f"rolltap bridge: no --database-url; using the embedded Postgres in {data_dir}",

@@ -1,7 +1,7 @@
 """`BridgeConfig`: every knob of `rolltap bridge` in one place, in TRL's style (a dataclass whose
 fields carry their help), filled from command-line flags and `ROLLTAP_<FIELD>` variables.
 
-The command line is generated from the fields (gateway/knobs.py, shared with the gateway's
+The command line is generated from the fields (core/knobs.py, shared with the gateway's
 config), so a flag, its help, its environment variable and its default cannot drift apart.
 Precedence: flag, then environment variable, then default.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from gateway import knobs
+from core import knobs
 
 if TYPE_CHECKING:  # the source pulls in TRL: not needed to parse flags or print --help
     from trainer_bridge.source import SourceConfig

@@ -31,8 +31,8 @@ from uuid import UUID
 import asyncpg
 import msgspec
 
-from gateway.store.ledger import account
-from gateway.store.traces import StoredTrace
+from core.store.ledger import account
+from core.store.traces import StoredTrace
 
 Outcome = Literal["trained", "stale", "too_long", "untrained"]
 
@@ -274,7 +274,7 @@ async def _consume_complete(conn: asyncpg.Connection, owner: str, rollout_ids: l
 
 
 async def _write_ledgers(conn: asyncpg.Connection, consumed: Sequence, *, dropped: bool) -> None:
-    """Each consumed rollout's ledger (gateway/store/ledger.py), from its merge and its log."""
+    """Each consumed rollout's ledger (core/store/ledger.py), from its merge and its log."""
     if not consumed:
         return
     logged = defaultdict(list)

@@ -19,7 +19,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gateway.store.ledger import FLAGS, account
+from core.store.ledger import FLAGS, account
 
 
 @dataclass(frozen=True)

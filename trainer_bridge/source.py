@@ -55,8 +55,8 @@ import asyncpg
 import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from gateway.store.db import open_pool
-from gateway.store.traces import FINISHED_CHANNEL
+from core.store.db import open_pool
+from core.store.traces import FINISHED_CHANNEL
 from trainer_bridge import deliveries
 from trainer_bridge.advantages import group_advantages
 from trainer_bridge.faults import crash_point
@@ -322,7 +322,7 @@ class RolloutSource:
     suffix, so a restarted bridge never mistakes a dead one's leases for its own). `decode`
     turns token ids into text for TRL's sample logs. `stats` counts what was delivered and put
     aside, for summaries; `consumed` sums the ledgers of the rollouts this bridge consumed
-    (gateway/store/ledger.py). `say` prints what the bridge waits for and why what it consumed
+    (core/store/ledger.py). `say` prints what the bridge waits for and why what it consumed
     trained nothing (trainer_bridge/narration.py).
     """
 

@@ -40,7 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from gateway.store import rollouts as rollouts_store
+from core.store import rollouts as rollouts_store
 from trainer_bridge.faults import crash_point
 
 log = logging.getLogger(__name__)

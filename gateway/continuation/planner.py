@@ -20,12 +20,12 @@ import asyncpg
 import msgspec
 import numpy as np
 
+from core.store import calls as calls_store
 from gateway import engine_ids
 from gateway.continuation import splice as cont
 from gateway.continuation.keys import RequestKeys
 from gateway.continuation.rendering import RenderError, render_body
 from gateway.continuation.splice import ContinuationRecord
-from gateway.store import calls as calls_store
 
 if TYPE_CHECKING:
     from gateway.continuation.window import WindowedRenderer

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from gateway.byte_ends import shared
+from core.byte_ends import shared
 
 # Bodies shorter than this are decoded whole: there is little to save, and the bookkeeping
 # would cost more than it saves.

@@ -20,19 +20,19 @@ import asyncpg  # pyright: ignore[reportMissingTypeStubs] - asyncpg ships no typ
 import msgspec
 import numpy as np
 
+from core.merge.prefixes import best_base
+from core.store import bodies
+from core.store import calls as calls_store
+from core.store.db import UNAVAILABLE
+from core.store.values import clean_text
 from gateway import engine_ids
 from gateway.call_values import Outcome, ParsedCall
-from gateway.merge.prefixes import best_base
 from gateway.protocols.errors import GatewayError
 from gateway.recording.recorder import Recorder, Unavailable
 from gateway.rollout_memory import RolloutMemory
-from gateway.store import bodies
-from gateway.store import calls as calls_store
-from gateway.store.db import UNAVAILABLE
-from gateway.store.values import clean_text
 
 if TYPE_CHECKING:
-    from gateway.store.conn import Pool
+    from core.store.conn import Pool
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, cast
 
 import asyncpg  # pyright: ignore[reportMissingTypeStubs] - asyncpg ships no type stubs
 
-from gateway.store import calls as calls_store
-from gateway.store.db import UNAVAILABLE
+from core.store import calls as calls_store
+from core.store.db import UNAVAILABLE
 
 if TYPE_CHECKING:
-    from gateway.store.conn import Conn, Connection, Pool
+    from core.store.conn import Conn, Connection, Pool
 
 log = logging.getLogger(__name__)
 

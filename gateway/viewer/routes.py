@@ -17,14 +17,14 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
+from core.store import calls as calls_store
+from core.store import listing
+from core.store import rollouts as rollouts_store
+from core.store import traces as traces_store
+from core.store.ledger import rollout_reason
 from gateway.app_keys import CONFIG, POOL
 from gateway.protocols.errors import GatewayError
 from gateway.ratelimit import TokenBuckets
-from gateway.store import calls as calls_store
-from gateway.store import listing
-from gateway.store import rollouts as rollouts_store
-from gateway.store import traces as traces_store
-from gateway.store.ledger import rollout_reason
 from gateway.viewer import session, vocab
 
 routes = web.RouteTableDef()

@@ -60,7 +60,7 @@ def register(subparsers) -> None:
 def main(args: argparse.Namespace) -> int:
     from stack.experiment import driver, report
     from stack.experiment.parts import Config
-    from trainer_bridge.stack.launcher import ROLLTAP, run_once
+    from stack.launcher import ROLLTAP, run_once
 
     lo, hi = (float(x) for x in args.band.split(","))
     config = Config(steps=args.steps, learning_rate=args.learning_rate,

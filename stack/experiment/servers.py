@@ -12,7 +12,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from trainer_bridge.stack.launcher import (
+from stack.launcher import (
     Processes,
     admin_client,
     free_port,

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from stack.experiment.servers import MODEL_NAME, Servers
-from trainer_bridge.stack.launcher import ROLLTAP
-from trainer_bridge.stack.rollouts import rollouts_command
+from stack.launcher import ROLLTAP
+from stack.rollouts import rollouts_command
 
 ONE_CALL = "sandbox.agents.code_writer:run"
 TWO_CALLS = "sandbox.agents.code_reviser:run"  # write, see what running it printed, revise

@@ -30,13 +30,13 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.store.tokens import ids_from_bytes
+from core.store.tokens import ids_from_bytes
+from stack.serve_model import start_vllm
+from stack.toy_task import ToyTask, run_toy_rollouts
 from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
 from tests.support.vllm import TINY_MODEL_NAME
 from trainer_bridge import resume
 from trainer_bridge.config import match_arg
-from trainer_bridge.serve_model import start_vllm
-from trainer_bridge.toy_task import ToyTask, run_toy_rollouts
 from trainer_bridge.weights import (
     DiskWeightSync,
     PolicyAnnouncer,

@@ -23,8 +23,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.store.db import open_pool
-from gateway.store.tokens import IDS, LOGPROBS
+from core.store.db import open_pool
+from core.store.tokens import IDS, LOGPROBS
+from stack.toy_task import ToyTask
 from tests.support.gateway import ADMIN_KEY
 from tests.support.postgres import fresh_database
 from tests.support.sequences import Seq
@@ -42,7 +43,6 @@ from trainer_bridge.source import (
     mask_stale,
     plan_release,
 )
-from trainer_bridge.toy_task import ToyTask
 
 # -- release decisions and sample building (pure) -------------------------------------------
 

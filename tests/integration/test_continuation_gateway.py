@@ -20,13 +20,13 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from core.store import bodies
+from core.store import calls as calls_store
 from gateway.continuation.checked_render import CheckedRenderer
 from gateway.continuation.engine_render import EngineRenderer
 from gateway.continuation.local_template import LocalTemplate
 from gateway.continuation.window import WINDOWS, WindowedRenderer
 from gateway.protocols import resumable
-from gateway.store import bodies
-from gateway.store import calls as calls_store
 from gateway.upstream import Upstreams
 from tests.support.detokenize import engine_text
 from tests.support.gateway import GatewayProcess

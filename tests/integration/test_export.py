@@ -13,11 +13,11 @@ import datasets
 import openai
 import pytest
 
+from stack.export import message_row
 from tests.support.gateway import REPO, GatewayProcess
 from tests.support.postgres import fresh_database
 from tests.support.vllm import PICK_COLOR_TOOL
 from trainer_bridge.advantages import group_advantages
-from trainer_bridge.export import message_row
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def recorded(store, vllm_server):
 
 def _export(dsn: str, out, *flags: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "export", str(out), "--database-url", dsn, *flags],
+        [sys.executable, "-m", "core.cli", "export", str(out), "--database-url", dsn, *flags],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return result
@@ -152,7 +152,7 @@ def test_filters_and_jsonl(store, recorded, tmp_path):
     import pyarrow.parquet as pq
 
     assert pq.read_table(tmp_path / "later" / "tokens.parquet").num_rows == 0
-    bad = subprocess.run([sys.executable, "-m", "gateway.cli", "export", str(tmp_path / "x"),
+    bad = subprocess.run([sys.executable, "-m", "core.cli", "export", str(tmp_path / "x"),
                           "--database-url", dsn, "--since", "yesterday"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "since" in bad.stderr

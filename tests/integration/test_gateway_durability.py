@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import openai
 
+from stack.launcher import stop_embedded_postgres
 from tests.support.gateway import GatewayProcess
-from trainer_bridge.stack.launcher import stop_embedded_postgres
 
 
 def test_call_survives_gateway_kill_right_after_done(vllm_server, database_url, tmp_path):

@@ -9,10 +9,10 @@ import uuid
 
 import pytest
 
+from core.store import rollouts as rollouts_store
+from core.store.db import open_pool
 from gateway.auth import RolloutKeys, hash_key, new_rollout_key
 from gateway.protocols.errors import GatewayError
-from gateway.store import rollouts as rollouts_store
-from gateway.store.db import open_pool
 
 
 class CountingPool:

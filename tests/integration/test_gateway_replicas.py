@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from stack.serve_model import start_vllm
 from tests.support.gateway import GatewayProcess, free_port
 from tests.support.streams import OpenStream, long_stream_body
 from tests.support.vllm import (
@@ -22,7 +23,6 @@ from tests.support.vllm import (
     VLLM_READY_TIMEOUT_S,
     wait_engine_idle,
 )
-from trainer_bridge.serve_model import start_vllm
 
 
 def _start_replica(model_dir, port: int, log_path):

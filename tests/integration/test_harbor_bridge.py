@@ -26,11 +26,11 @@ import pytest
 
 from sandbox.presets import Harness, side_calls_for
 from sandbox.state import StateFile
+from stack.serve_model import start_vllm
 from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
 from tests.support.harbor import needs_harbor
 from tests.support.vllm import TINY_MODEL_NAME
 from trainer_bridge.config import match_arg
-from trainer_bridge.serve_model import start_vllm
 from trainer_bridge.weights import untie_embeddings
 
 TASK = REPO / "tests" / "harbor_training" / "alphabet"

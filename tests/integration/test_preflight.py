@@ -152,7 +152,7 @@ def test_bridge_start_shows_no_vllm_version_warning(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=GUARD_S)
     assert "TRL currently supports vLLM" in plain.stderr
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "bridge", "--model", str(tmp_path), "--vllm",
+        [sys.executable, "-m", "core.cli", "bridge", "--model", str(tmp_path), "--vllm",
          "http://127.0.0.1:1", "--gateway", "http://127.0.0.1:1", "--max-steps", "1",
          "--print-config"], cwd=REPO, capture_output=True, text=True, timeout=GUARD_S)
     assert proc.returncode == 0, proc.stderr

@@ -15,10 +15,10 @@ import json
 import httpx
 import pytest
 
+from stack.serve_model import start_vllm
 from tests.support.gateway import GatewayProcess, free_port
 from tests.support.postgres import fresh_database
 from tests.support.vllm import TINY_MODEL_NAME, VLLM_READY_TIMEOUT_S
-from trainer_bridge.serve_model import start_vllm
 
 PROMPT = [{"role": "user", "content": "Think, then answer."}]
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from stack import smol_model
+from stack.serve_model import start_vllm
 from tests.support.smol import WHEEL_CACHE, build_cached_smol_model
-from trainer_bridge import smol_model
-from trainer_bridge.serve_model import start_vllm
 
 PROMPT = [
     {"role": "system", "content": "You are an expert Python programmer."},

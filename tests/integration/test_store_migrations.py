@@ -12,9 +12,9 @@ import asyncpg
 import numpy as np
 import pytest
 
-from gateway.store import calls as calls_store
-from gateway.store import migrations
-from gateway.store.db import init_connection
+from core.store import calls as calls_store
+from core.store import migrations
+from core.store.db import init_connection
 from tests.support.postgres import fresh_database
 
 

@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
+from stack import tiny_model
+
 # The fixtures (tiny_model_dir, tiny_tokenizer, vllm_server) come in through tests/conftest.py.
 from tests.support.vllm import PICK_COLOR_TOOL, tool_call_request
-from trainer_bridge import tiny_model
 
 MODEL_FILES = {
     "config.json",
@@ -341,7 +342,7 @@ def test_forced_tool_call_is_real_and_token_faithful(vllm_server, tiny_tokenizer
 
 
 def test_cli_writes_an_untied_model_by_default(tmp_path):
-    from gateway.cli import main
+    from core.cli import main
 
     assert main(["tiny-model", str(tmp_path / "untied"), "--seed", "2"]) == 0
     assert main(["tiny-model", str(tmp_path / "tied"), "--seed", "2", "--tied"]) == 0

@@ -31,7 +31,7 @@ class GatewayProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # The admin key goes by environment, not argv, where any local process could read it.
-        self.args = [sys.executable, "-m", "gateway.cli", "gateway", "--port", str(self.port),
+        self.args = [sys.executable, "-m", "core.cli", "gateway", "--port", str(self.port),
                      *extra]
         for u in upstreams:
             self.args += ["--upstream", u]

@@ -7,8 +7,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from stack import smol_model
 from tests.support.vllm import CACHE_DIR
-from trainer_bridge import smol_model
 
 WHEEL_CACHE = CACHE_DIR / "smollm2-wheel"
 

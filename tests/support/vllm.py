@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from trainer_bridge import tiny_model
+from stack import tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CACHE_DIR = REPO_ROOT / ".cache"

@@ -31,10 +31,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.knobs import key_value
+from core.knobs import key_value
+from stack.launcher import stop_embedded_postgres
 from tests.support.gateway import REPO
 from trainer_bridge.config import match_arg
-from trainer_bridge.stack.launcher import stop_embedded_postgres
 
 MARKER = "ROLLTAP_DEMO_TREE_TEST"
 # Stages are the demo's own `== N/7` headings; what must be running once each is under way.
@@ -89,7 +89,7 @@ def demo_dir():
 
 
 def _demo_argv(demo_dir: Path, steps: int = 2) -> list[str]:
-    return [sys.executable, "-m", "gateway.cli", "demo", "--dir", str(demo_dir),
+    return [sys.executable, "-m", "core.cli", "demo", "--dir", str(demo_dir),
             "--turns", "1", "--train-steps", str(steps)]
 
 

@@ -25,12 +25,12 @@ from packaging.specifiers import SpecifierSet
 
 from tests.support.gateway import ADMIN_KEY, REPO
 
-GPU_CHECK = "trainer_bridge.stack.gpu_check"
+GPU_CHECK = "stack.gpu_check"
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 
 
 def _rolltap(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "core.cli", *args], capture_output=True,
                           text=True, timeout=300, cwd=REPO, env={**os.environ, **(env or {})})
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import datasets
 import pytest
 
+from stack.launcher import stop_embedded_postgres
 from tests.support.gateway import REPO, free_port
-from trainer_bridge.stack.launcher import stop_embedded_postgres
 
 SECTION = "## First run on a CPU, step by step"
 

@@ -227,7 +227,7 @@ def test_list_pages_without_repeats_and_filters_by_reward(viewer_gateway, record
 
 def _inspect(gw, *args: str) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "inspect", "--gateway", gw.url, *args],
+        [sys.executable, "-m", "core.cli", "inspect", "--gateway", gw.url, *args],
         cwd=REPO, capture_output=True, text=True, timeout=60,
         env={**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY})
     assert result.returncode == 0, result.stderr
@@ -253,6 +253,6 @@ def test_inspect_prints_the_same_information(viewer_gateway, recorded):
     assert "trained nothing: no call of this rollout sampled a token" in hostile.splitlines()
     assert "trained nothing" not in shown
     denied = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "inspect", "--gateway", gw.url,
+        [sys.executable, "-m", "core.cli", "inspect", "--gateway", gw.url,
          "--admin-key", "rt-not-admin", "list"], capture_output=True, text=True, timeout=60)
     assert denied.returncode != 0 and "403" in denied.stderr

@@ -1,4 +1,4 @@
-"""Request bodies stored as deltas (gateway.store.bodies): every body comes back byte for byte."""
+"""Request bodies stored as deltas (core.store.bodies): every body comes back byte for byte."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.byte_ends import shared_ends
-from gateway.store import bodies
+from core.byte_ends import shared_ends
+from core.store import bodies
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

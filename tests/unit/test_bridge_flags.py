@@ -1,6 +1,6 @@
 """`rolltap bridge`'s flags as users see them, pinned: each one's default once parsed, whether it
 is required, metavar, choices and help (with its `ROLLTAP_*` variable), so that generating them
-from `BridgeConfig`'s fields (gateway/knobs.py) changes nothing."""
+from `BridgeConfig`'s fields (core/knobs.py) changes nothing."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from core.merge.values import MergeOptions
 from gateway import config
-from gateway.merge.values import MergeOptions
 
 # flag, its default once parsed, metavar, choices, help as `--help` prints it.
 FLAGS = [

@@ -19,7 +19,7 @@ import grimp
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("gateway", "trainer_bridge", "sandbox", "tests")
+PACKAGES = ("core", "gateway", "trainer_bridge", "sandbox", "stack", "tests")
 MAX_DEPTH = 7
 MAX_LINES = 500
 
@@ -96,12 +96,12 @@ def attribute_owner(node: ast.AST, modules: dict[str, str]) -> str | None:
 
 
 def test_the_scan_finds_both_forms_and_resolves_relative_imports():
-    source = ("from gateway import merge\nfrom gateway.merge import _hidden, public\n"
-              "from .store import db\nimport gateway.store.bodies as b\n"
+    source = ("from core import merge\nfrom core.merge import _hidden, public\n"
+              "from .store import db\nimport core.store.bodies as b\n"
               "merge._also\ndb._inner\nb._ends\npublic._not_a_module\n")
-    assert sorted(private_uses(source, "gateway.x", "gateway")) == [
-        ("gateway.merge._also", 5), ("gateway.merge._hidden", 2),
-        ("gateway.store.bodies._ends", 7), ("gateway.store.db._inner", 6)]
+    assert sorted(private_uses(source, "core.x", "core")) == [
+        ("core.merge._also", 5), ("core.merge._hidden", 2),
+        ("core.store.bodies._ends", 7), ("core.store.db._inner", 6)]
 
 
 def private_names_used_across_modules() -> dict[tuple[str, str], str]:

@@ -1,11 +1,11 @@
-"""Tests of gateway.store.ledger: what a consumed rollout gave the trainer, and the one line that
+"""Tests of core.store.ledger: what a consumed rollout gave the trainer, and the one line that
 says why it trained nothing (pure)."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.merge.values import EXCLUSION_CAUSES
-from gateway.store.ledger import CAUSES, FLAGS, account, merge_reason, nothing_trained
+from core.merge.values import EXCLUSION_CAUSES
+from core.store.ledger import CAUSES, FLAGS, account, merge_reason, nothing_trained
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""Tests of gateway.merge: the pure merge of a rollout's calls into training sequences."""
+"""Tests of core.merge: the pure merge of a rollout's calls into training sequences."""
 
 from collections import Counter
 
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.merge import TooManyCalls, merge
-from gateway.merge.prefixes import Packed, Prefixes, best_base, common_prefix_len
-from gateway.merge.values import CAUSES, EXCLUSION_CAUSES, SIDE_CALLS, CallTokens, MergeOptions
+from core.merge import TooManyCalls, merge
+from core.merge.prefixes import Packed, Prefixes, best_base, common_prefix_len
+from core.merge.values import CAUSES, EXCLUSION_CAUSES, SIDE_CALLS, CallTokens, MergeOptions
 
 
 def make_call(cid, seq, prompt, completion, status="ok", tools=True):
@@ -457,7 +457,7 @@ class MatrixPrefixes(Prefixes):
 def test_merge_equals_the_merge_over_the_whole_matrix(calls, options):
     result = merge(calls, options)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr("gateway.merge.prefixes.Prefixes", MatrixPrefixes)
+        m.setattr("core.merge.prefixes.Prefixes", MatrixPrefixes)
         reference = merge(calls, options)
     assert canonical(result) == canonical(reference)
     assert result.abandoned == reference.abandoned
@@ -775,7 +775,7 @@ def test_the_same_body_again_abandons_the_first():
 
 
 def test_a_rollout_past_the_call_cap_is_refused_with_the_reason(monkeypatch):
-    monkeypatch.setattr("gateway.merge.MAX_CALLS", 2)
+    monkeypatch.setattr("core.merge.MAX_CALLS", 2)
     calls = [make_call(f"c{i}", i, [1] * i, [2]) for i in range(1, 4)]
     assert merge(calls[:2]).stats.calls == 2
     with pytest.raises(TooManyCalls, match="3 calls, more than the 2"):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from sandbox.agents.code_writer import extract_code, target_file, user_message
 from sandbox.tasks import load_tasks
-from trainer_bridge.stack.real_demo import SMOL_TASKS, bootstrap, interval, pass_at_1, passed
+from stack.real_demo import SMOL_TASKS, bootstrap, interval, pass_at_1, passed
 
 # A correct solution per task, to check that the hidden tests can be passed at all.
 REFERENCE = {

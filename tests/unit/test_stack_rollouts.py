@@ -1,5 +1,5 @@
 """The whole-stack launchers drive the sandbox runner through `rolltap rollouts` and read its
-state file back (trainer_bridge/stack/rollouts.py): the command they build is one the runner's
+state file back (stack/rollouts.py): the command they build is one the runner's
 parser accepts, and what they read is what the runner writes."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from pathlib import Path
 
 from sandbox.cli import register
 from sandbox.state import FinishedRollout, RunHeader, StateFile
-from trainer_bridge.stack.real_demo import SMOL_TASKS
-from trainer_bridge.stack.rollouts import Finished, finished, rollouts_command, task_ids
+from stack.real_demo import SMOL_TASKS
+from stack.rollouts import Finished, finished, rollouts_command, task_ids
 
 
 def _parsed(command: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rolltap")
     register(parser.add_subparsers(dest="subcommand"))
-    assert command[1:3] == ["-m", "gateway.cli"]
+    assert command[1:3] == ["-m", "core.cli"]
     return parser.parse_args(command[3:])
 
 

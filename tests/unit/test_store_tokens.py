@@ -1,4 +1,4 @@
-"""gateway.store.tokens: the order stored chains are resolved in, one call's ids rebuilt from
+"""core.store.tokens: the order stored chains are resolved in, one call's ids rebuilt from
 its chain, and the recent-calls index, bounded by bytes and exact in what it keeps."""
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway import engine_ids
-from gateway.continuation.keys import RequestKeys
-from gateway.protocols.normalize import normalize_messages
-from gateway.protocols.resumable import Decoder
-from gateway.rollout_memory import RecentCall, RecentCalls
-from gateway.store.tokens import (
+from core.store.tokens import (
     StoredTokens,
     chain_ids,
     parents_first,
     reconstruct_prompts,
 )
+from gateway import engine_ids
+from gateway.continuation.keys import RequestKeys
+from gateway.protocols.normalize import normalize_messages
+from gateway.protocols.resumable import Decoder
+from gateway.rollout_memory import RecentCall, RecentCalls
 
 
 @settings(max_examples=200, deadline=None)

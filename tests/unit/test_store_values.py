@@ -1,4 +1,4 @@
-"""What Postgres will store: the edge checks of gateway.store.values (issue 11, item 7)."""
+"""What Postgres will store: the edge checks of core.store.values (issue 11, item 7)."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.store.values import MAX_DEPTH, clean_text, problem, without_nul
+from core.store.values import MAX_DEPTH, clean_text, problem, without_nul
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70)

@@ -17,11 +17,11 @@ import torch
 from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout
 from trl.experimental.async_grpo.packing import TreeRow
 
+from stack.tiny_model import VOCAB_SIZE, write_tiny_model
 from tests.support.sequences import Seq
 from trainer_bridge.advantages import group_advantages
 from trainer_bridge.config import BridgeConfig
 from trainer_bridge.samples import ROLLOUT_TOKENS_METRIC, rollout_samples
-from trainer_bridge.tiny_model import VOCAB_SIZE, write_tiny_model
 from trainer_bridge.trainer import RolloutWeightCollator, make_trainer, tis_weights
 
 TOKEN_BUDGET = 256

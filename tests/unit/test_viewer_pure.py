@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from core.store import listing
 from gateway.inspect import safe
-from gateway.store import listing
 from gateway.viewer import session
-from trainer_bridge.export import message_row
+from stack.export import message_row
 
 aware = st.datetimes(timezones=st.just(dt.UTC))
 

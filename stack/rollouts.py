@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer_bridge.stack.launcher import ROLLTAP
+from stack.launcher import ROLLTAP
 
 
 @dataclass(frozen=True)

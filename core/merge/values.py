@@ -13,7 +13,7 @@ STATUSES = ("ok", "aborted", "failed")
 SIDE_CALLS = ("auto", "toolless", "none")
 SideCalls = Literal["auto", "toolless", "none"]
 # Why a sampled token is not trained, in the order a call's reason is picked: the merge's own
-# causes here, the trainer bridge adds its own (gateway/store/ledger.py).
+# causes here, the trainer bridge adds its own (core/store/ledger.py).
 EXCLUSION_CAUSES = ("incomplete", "aborted", "abandoned", "constrained", "auxiliary")
 # The setting that trains tokens excluded for each cause, for messages that say what to do.
 EXCLUSION_FLAGS = {

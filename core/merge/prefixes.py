@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from gateway.merge.values import CallTokens
+from core.merge.values import CallTokens
 
 Id = TypeVar("Id")  # a call id: str in the merge, UUID when recording
 

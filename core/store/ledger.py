@@ -4,7 +4,7 @@ excluded by cause, with one line saying why a rollout trained nothing.
 Pure. The trainer bridge writes a ledger when it consumes a rollout (trainer_bridge/deliveries.py);
 `rolltap inspect` and the viewer read it, or, before consumption, the merge's own counts.
 
-Causes: the merge's (gateway/merge/ `EXCLUSION_CAUSES`: incomplete, aborted, abandoned,
+Causes: the merge's (core/merge/ `EXCLUSION_CAUSES`: incomplete, aborted, abandoned,
 constrained, auxiliary) and the bridge's:
 - stale: trained tokens more than `--max-staleness` versions behind the trainer when it took them;
 - too_long: sequences longer than `--token-budget`, never truncated;
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from gateway.merge.values import EXCLUSION_CAUSES, EXCLUSION_FLAGS
+from core.merge.values import EXCLUSION_CAUSES, EXCLUSION_FLAGS
 
 if TYPE_CHECKING:
     import asyncpg

@@ -234,8 +234,8 @@ async def export(
     import asyncpg
     from tqdm import tqdm
 
-    from gateway.store import listing
-    from gateway.store.db import init_connection
+    from core.store import listing
+    from core.store.db import init_connection
 
     out_dir.mkdir(parents=True, exist_ok=True)
     clause, args = listing.where(filt)
@@ -270,13 +270,13 @@ _ROLLOUT_COLUMNS = "r.id, r.task_id, r.group_id, r.harness, r.status, r.reward, 
 
 
 def _rollout_fields(r) -> dict:
-    from gateway.store import rollouts
+    from core.store import rollouts
 
     return {**rollouts.identity(r), "created_at": r["created_at"]}
 
 
 async def _tokens(conn, side, clause, args, sink: Sink, bar) -> None:
-    from gateway.store.traces import StoredTrace
+    from core.store.traces import StoredTrace
 
     advantages = Advantages(side)
     sql = (
@@ -310,10 +310,10 @@ async def _tokens(conn, side, clause, args, sink: Sink, bar) -> None:
 
 
 async def _messages(conn, side, clause, args, sink: Sink, bar) -> None:
+    from core.store import bodies
+    from core.store import calls as calls_store
     from gateway.conversation import chat_view
     from gateway.protocols.errors import GatewayError
-    from gateway.store import bodies
-    from gateway.store import calls as calls_store
 
     sql = (
         f"SELECT {_ROLLOUT_COLUMNS}, c.id AS call_id, c.protocol, c.request_base,"
@@ -360,7 +360,7 @@ async def _messages(conn, side, clause, args, sink: Sink, bar) -> None:
 
 
 def _filter(args: argparse.Namespace):
-    from gateway.store.listing import Filter
+    from core.store.listing import Filter
 
     try:
         since = dt.datetime.fromisoformat(args.since).astimezone(dt.UTC) if args.since else None
@@ -377,8 +377,8 @@ def _filter(args: argparse.Namespace):
 def _dsn(args: argparse.Namespace) -> str:
     if args.database_url:
         return args.database_url
-    from gateway.config import default_data_dir
-    from gateway.store.db import start_embedded
+    from core.paths import default_data_dir
+    from core.store.db import start_embedded
 
     data_dir = args.data_dir or Path(os.environ.get("ROLLTAP_DATA_DIR") or default_data_dir())
     print(f"rolltap export: no --database-url; using the embedded Postgres in {data_dir}",

@@ -124,9 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if not check_devices(stages, torch.cuda.device_count(), 2, "torch.cuda.device_count()"):
         return stages.exit_code()
 
-    from trainer_bridge.config import match_arg
-    from trainer_bridge.serve_model import VllmStartError, start_vllm
-    from trainer_bridge.stack.launcher import (
+    from stack.launcher import (
         ROLLTAP,
         Processes,
         admin_client,
@@ -134,8 +132,10 @@ def run(args: argparse.Namespace) -> int:
         start_gateway,
         stop_embedded_postgres,
     )
-    from trainer_bridge.tiny_model import write_tiny_model
-    from trainer_bridge.toy_task import ToyTask, run_toy_rollouts
+    from stack.serve_model import VllmStartError, start_vllm
+    from stack.tiny_model import write_tiny_model
+    from stack.toy_task import ToyTask, run_toy_rollouts
+    from trainer_bridge.config import match_arg
 
     workdir: Path = args.dir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m trainer_bridge.stack.gpu_check",
+        prog="python -m stack.gpu_check",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

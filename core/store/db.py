@@ -8,7 +8,7 @@ from pathlib import Path
 
 import asyncpg
 
-from gateway.store.migrations import migrate
+from core.store.migrations import migrate
 
 log = logging.getLogger(__name__)
 

@@ -125,7 +125,7 @@ def convert(gguf: Path, out_dir: Path, log=print) -> None:
         f"(float32; the LM head, untied, is {state['lm_head.weight'].numel() / 1e6:.1f}M of "
         f"them) to {out_dir}")
     model.save_pretrained(out_dir, safe_serialization=True)
-    from trainer_bridge.tiny_model import CHAT_TEMPLATE
+    from stack.tiny_model import CHAT_TEMPLATE
 
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.model_max_length = config.max_position_embeddings

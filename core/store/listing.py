@@ -13,7 +13,7 @@ from uuid import UUID
 
 import msgspec
 
-from gateway.store import rollouts
+from core.store import rollouts
 
 STATUSES = ("running", "finished", "failed", "timeout")
 

@@ -9,11 +9,11 @@ from uuid import UUID
 import asyncpg
 import numpy as np
 
-from gateway.store.tokens import IDS, LOGPROBS, ids_from_bytes, logprobs_from_bytes
-from gateway.store.values import clean_text
+from core.store.tokens import IDS, LOGPROBS, ids_from_bytes, logprobs_from_bytes
+from core.store.values import clean_text
 
 if TYPE_CHECKING:
-    from gateway.store.conn import Conn
+    from core.store.conn import Conn
 
 # Announced once a finished rollout's traces are stored: what a trainer bridge waits for.
 FINISHED_CHANNEL = "rolltap_rollout_finished"

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer_bridge.stack.launcher import (
+from stack.launcher import (
     ROLLTAP,
     Processes,
     admin_client,
@@ -33,9 +33,9 @@ from trainer_bridge.stack.launcher import (
     step,
     stop_embedded_postgres,
 )
-from trainer_bridge.stack.rollouts import finished, rollouts_command, task_ids
+from stack.rollouts import finished, rollouts_command, task_ids
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SMOL_TASKS = ROOT / "examples" / "smol-tasks" / "tasks.jsonl"
 MODEL_NAME = "smol"
 # The sandbox runner's `python` preset with the code-block agent.

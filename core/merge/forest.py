@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gateway.merge.values import CallTokens, MergedSequence, MergeOptions
+from core.merge.values import CallTokens, MergedSequence, MergeOptions
 
 if TYPE_CHECKING:
-    from gateway.merge.prefixes import Packed, Prefixes
+    from core.merge.prefixes import Packed, Prefixes
 
 _NONE = np.iinfo(np.int64).max
 

@@ -8,7 +8,7 @@ from uuid import UUID
 import asyncpg
 
 if TYPE_CHECKING:
-    from gateway.store.conn import Conn
+    from core.store.conn import Conn
 
 
 def identity(row) -> dict:
@@ -140,7 +140,7 @@ async def count_by_status(conn: Conn) -> list[asyncpg.Record]:
 
 
 async def ledger_totals(conn: Conn) -> list[tuple[str | None, int]]:
-    """Tokens of consumed rollouts (gateway/store/ledger.py): (None, trained) and (cause,
+    """Tokens of consumed rollouts (core/store/ledger.py): (None, trained) and (cause,
     excluded) for each cause any ledger names."""
     rows = await conn.fetch(
         "SELECT NULL AS cause, coalesce(sum((ledger->>'trained_tokens')::bigint), 0) AS tokens"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gateway.store.conn import Conn
+    from core.store.conn import Conn
 
 # Append only: a released migration is never edited, a change is a new entry.
 MIGRATIONS: list[tuple[int, str]] = [
@@ -199,7 +199,7 @@ MIGRATIONS: list[tuple[int, str]] = [
     (
         6,
         """
-        -- Request bodies as deltas (gateway/store/bodies.py): `request_body` of a row with a
+        -- Request bodies as deltas (core/store/bodies.py): `request_body` of a row with a
         -- `request_base` is a delta against that call's request body and response body (the
         -- reply the harness sends back); without one (every row written before this
         -- migration) it is the whole body, as before.
@@ -212,7 +212,7 @@ MIGRATIONS: list[tuple[int, str]] = [
         # changes apply to values written from now on, values stored before read back as they
         # are.
         """
-        -- A call of an ended rollout is refused by the insert itself (gateway/store/calls.py):
+        -- A call of an ended rollout is refused by the insert itself (core/store/calls.py):
         -- its rollout row is locked and read there anyway, and a trigger re-read it per row.
         -- (A gateway older than this migration, still running next to a newer one, no longer
         -- refuses such calls: replace them together.)
@@ -251,11 +251,11 @@ MIGRATIONS: list[tuple[int, str]] = [
     (
         8,
         """
-        -- Which toolless calls of a rollout are side calls (gateway/merge/): 'auto', 'toolless'
+        -- Which toolless calls of a rollout are side calls (core/merge/): 'auto', 'toolless'
         -- or 'none', as its creator said on POST /admin/rollouts.
         ALTER TABLE rollouts ADD COLUMN side_calls text NOT NULL DEFAULT 'auto'
             CHECK (side_calls IN ('auto', 'toolless', 'none'));
-        -- What the trainer bridge did with each consumed rollout (gateway/store/ledger.py):
+        -- What the trainer bridge did with each consumed rollout (core/store/ledger.py):
         -- tokens trained and tokens excluded by cause, written when it is consumed.
         ALTER TABLE rollouts ADD COLUMN ledger jsonb;
         -- Per logged trace: the tokens the step trained, and those left out (masked stale, or

@@ -60,9 +60,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gateway.merge import prefixes as prefix_search
-from gateway.merge.forest import Forest, build_sequences
-from gateway.merge.values import (
+from core.merge import prefixes as prefix_search
+from core.merge.forest import Forest, build_sequences
+from core.merge.values import (
     CAUSES,
     EXCLUSION_CAUSES,
     CallTokens,

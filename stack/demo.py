@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer_bridge.stack.launcher import (
+from stack.launcher import (
     ROLLTAP,
     Processes,
     admin_client,
@@ -34,9 +34,9 @@ from trainer_bridge.stack.launcher import (
     step,
     stop_embedded_postgres,
 )
-from trainer_bridge.stack.real_demo import add_arguments, run_real
+from stack.real_demo import add_arguments, run_real
 
-EXAMPLE_TASKS = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "tasks.jsonl"
+EXAMPLE_TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks" / "tasks.jsonl"
 
 DEMO_TOOL = {
     "type": "function",
@@ -73,7 +73,7 @@ def register(subparsers) -> None:
                         help="tiny: the random tiny model, toy training task (default); smol: "
                         "SmolLM2-135M-Instruct learning the coding tasks of examples/smol-tasks "
                         "through sandboxes and hidden tests (see "
-                        "trainer_bridge/stack/real_demo.py)")
+                        "stack/real_demo.py)")
     parser.add_argument("--gateway-port", type=int, default=None, metavar="PORT",
                         help="port of the demo's gateway (default: a free one); the container "
                         "image sets 9000 for its health check")
@@ -240,8 +240,8 @@ def _train(steps: int, workdir: Path, procs: Processes, model_dir: Path, upstrea
     the demo prints the reward of each step as the bridge logs it."""
     import threading
 
+    from stack.toy_task import ToyTask, run_toy_rollouts
     from trainer_bridge.config import match_arg
-    from trainer_bridge.toy_task import ToyTask, run_toy_rollouts
 
     run_id = secrets.token_hex(4)
     out_dir = workdir / f"train-{run_id}"

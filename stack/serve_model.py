@@ -321,7 +321,7 @@ def _run(args: argparse.Namespace) -> int:
             print(shell_line(argv, env), flush=True)
             return 0
         # A `serve-model` killed outright (a demo's SIGKILL reaches it as SIGTERM, see
-        # trainer_bridge/stack/launcher.py) must not leave its server behind.
+        # stack/launcher.py) must not leave its server behind.
         vllm = start_vllm(args.model_dir, args.port, log_path=args.log_file, with_parent=True,
                           **options)
     except ValueError as exc:

@@ -12,10 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from trainer_bridge.serve_model import die_with_parent
+from stack.serve_model import die_with_parent
 
 # The `rolltap` command of this interpreter, so children run the same environment.
-ROLLTAP = [sys.executable, "-m", "gateway.cli"]
+ROLLTAP = [sys.executable, "-m", "core.cli"]
 
 
 def free_port() -> int:

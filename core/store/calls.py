@@ -9,8 +9,8 @@ from uuid import UUID
 import msgspec
 import numpy as np
 
-from gateway.store import bodies
-from gateway.store.tokens import (
+from core.store import bodies
+from core.store.tokens import (
     StoredTokens,
     chain_ids,
     ids_from_bytes,
@@ -19,7 +19,7 @@ from gateway.store.tokens import (
 )
 
 if TYPE_CHECKING:
-    from gateway.store.conn import Conn
+    from core.store.conn import Conn
 
 
 class CallRecord(msgspec.Struct, kw_only=True):

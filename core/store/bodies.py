@@ -32,8 +32,8 @@ from uuid import UUID
 import xxhash
 import zstandard
 
-from gateway.byte_ends import shared_ends
-from gateway.store.tokens import parents_first
+from core.byte_ends import shared_ends
+from core.store.tokens import parents_first
 
 LEVEL = 3  # fast, and JSON conversations still shrink 5-10x
 _HEADER = struct.Struct("<QQ")
