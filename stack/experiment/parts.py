@@ -50,6 +50,8 @@ class Config(msgspec.Struct, frozen=True):
     steps: int = 20
     learning_rate: float = 2e-5
     max_staleness: int = 2
+    # Tokens per micro-batch, about one group: a ~140-token prompt and 8 replies of ~80 tokens.
+    token_budget: int = 800
     concurrency: int = 8  # sandboxes of the training runner
     eval_concurrency: int = 16  # requests in flight to vLLM while evaluating
     threads: int = 2
@@ -139,12 +141,13 @@ def _settings(ctx: Context, seed: int, shuffle_rewards: bool = False,
               agent: str = ONE_CALL) -> TrainSettings:
     c = ctx.config
     return TrainSettings(c.group_size, c.groups_per_step, c.learning_rate, c.temperature,
-                         c.max_staleness, seed, c.concurrency, c.threads, shuffle_rewards, agent)
+                         c.max_staleness, seed, c.concurrency, c.threads, c.token_budget,
+                         shuffle_rewards, agent)
 
 
 def _step_summary(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per step: reward, agreement and where the time went (TRL's perf metrics)."""
-    keep = ("agreement/", "perf/", "kl", "ratio", "reward")
+    keep = ("agreement/", "perf/", "batch/", "rollout/", "kl", "ratio", "reward")
     return [{"step": e["step"], "reward": e["reward"], "version": e["version"],
              "elapsed_s": e["elapsed_s"],
              "metrics": {k: v for k, v in e.get("metrics", {}).items() if k.startswith(keep)}}

@@ -32,20 +32,22 @@ class TrainSettings:
     seed: int
     concurrency: int
     threads: int
+    token_budget: int
     shuffle_rewards: bool = False  # the shuffled-reward control
     agent: str = ONE_CALL
 
 
     def bridge_flags(self) -> list[str]:
-        # One optimizer step = gradient_accumulation_steps micro-batches of one group each:
-        # TRL's token-budget batcher buffers per_device_train_batch_size samples per micro-batch.
+        # TRL's token-budget batcher fills each micro-batch up to the budget (a group's shared
+        # prompt counted once), and a step is gradient_accumulation_steps micro-batches: a
+        # budget of about one group makes a step about `groups_per_step` groups. (At 8192 a
+        # step took some 60 groups of these short replies.)
         return ["--num-generations", str(self.group_size),
                 "--learning-rate", str(self.learning_rate),
                 "--temperature", str(self.temperature),
                 "--max-staleness", str(self.max_staleness),
-                "--token-budget", "8192", "--group-deadline", "1800",
+                "--token-budget", str(self.token_budget), "--group-deadline", "1800",
                 "--queue-size", str(2 * self.group_size * self.groups_per_step),
-                "--set", f"per_device_train_batch_size={self.group_size}",
                 "--set", f"gradient_accumulation_steps={self.groups_per_step}",
                 "--set", f"seed={self.seed}", "--threads", str(self.threads),
                 *(["--shuffle-rewards"] if self.shuffle_rewards else [])]
