@@ -52,6 +52,7 @@ class Config(msgspec.Struct, frozen=True):
     max_staleness: int = 2
     # Tokens per micro-batch, about one group: a ~140-token prompt and 8 replies of ~80 tokens.
     token_budget: int = 800
+    state_every: int = 5  # resumable checkpoints (optimizer state): must divide steps // 2
     concurrency: int = 8  # sandboxes of the training runner
     eval_concurrency: int = 16  # requests in flight to vLLM while evaluating
     threads: int = 2
@@ -163,7 +164,8 @@ def positive(ctx: Context) -> dict[str, Any]:
     with _servers(ctx, "positive", gateway=True) as servers:
         entries = segment(servers, _settings(ctx, 0), control, len(train),
                           out=ctx.workdir / "positive" / "bridge", run_id="r-positive",
-                          until=c.steps, resume=False, state_every=c.steps, log=ctx.log)
+                          until=c.steps, resume=False, state_every=c.state_every,
+                          log=ctx.log)
     return {"reward": "reply length target", "length_target": target,
             "steps": _step_summary(entries), "startup_s": servers.startup_s}
 
@@ -196,12 +198,14 @@ def train(ctx: Context, seed: int, shuffle_rewards: bool = False,
     out = ctx.workdir / name / "bridge"
     evaluations, steps = [before], []
     mid = c.steps // 2
+    if mid % c.state_every:
+        raise SystemExit(f"state_every {c.state_every} must divide the midpoint step {mid}")
     with _servers(ctx, name, gateway=True) as servers:
         for label, until, resume in ((f"step{mid}", mid, False), ("after", c.steps, True)):
             entries = segment(servers, _settings(ctx, seed, shuffle_rewards, agent), tasks_file,
                               len(train_tasks),
                               out=out, run_id=f"r-{name}-{until}", until=until,
-                              resume=resume, state_every=max(mid, 1), log=ctx.log)
+                              resume=resume, state_every=c.state_every, log=ctx.log)
             steps += _step_summary(entries)
             evaluations.append(_eval(ctx, servers, label, heldout, c.eval_samples,
                                      c.eval_seed))

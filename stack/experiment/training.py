@@ -18,6 +18,7 @@ from stack.experiment.servers import MODEL_NAME, Servers
 from stack.launcher import ROLLTAP
 from stack.rollouts import rollouts_command
 
+MAX_RESTARTS = 3  # bridge restarts after a SIGKILL within one segment
 ONE_CALL = "sandbox.agents.code_writer:run"
 TWO_CALLS = "sandbox.agents.code_reviser:run"  # write, see what running it printed, revise
 
@@ -60,8 +61,8 @@ def _bridge(servers: Servers, settings: TrainSettings, out: Path, run_id: str, u
          "--gateway", servers.gateway_url, "--data-dir", str(servers.workdir / "data"),
          "--max-steps", str(until), "--weight-sync", "disk",
          "--checkpoint-dir", str(out / "checkpoints"), "--keep-checkpoints", "1",
-         # The optimizer state (twice the weights) is written only where a later segment
-         # resumes: every step it was a fixed cost of seconds per step.
+         # The optimizer state (twice the weights) is written every few steps, where a later
+         # segment or a restart resumes: every step it was a fixed cost of seconds per step.
          "--state-every", str(state_every),
          "--output-dir", str(out), "--match", f"run_id={run_id}",
          *settings.bridge_flags(), *(["--resume"] if resume else [])],
@@ -90,20 +91,30 @@ def segment(servers: Servers, settings: TrainSettings, tasks_file: Path, n_tasks
         out / f"{run_id}.log", env={"ROLLTAP_ADMIN_KEY": servers.admin_key})
     log(f"   bridge log {out / 'bridge.log'}; runner log {out / f'{run_id}.log'}; "
         f"{per_step} rollouts per step")
-    entries: list[dict[str, Any]] = []
-    started = time.monotonic()
+    by_step: dict[int, dict[str, Any]] = {}  # a restarted bridge redoes steps: the last counts
+    started, shown, restarts = time.monotonic(), 0, 0
     while True:
         lines = progress.read_text().splitlines() if progress.exists() else []
-        for line in lines[len(entries):]:
+        for line in lines[shown:]:
             entry = json.loads(line)
-            entries.append(entry)
+            by_step[entry["step"]] = {**entry, "bridge_restarts": restarts}
             m = entry.get("metrics", {})
             log(f"   step {entry['step']:>3}/{until}  reward {_num(entry['reward'])}  "
                 f"agreement {_num(m.get('agreement/exp_abs_dlogp'), '.4f')} "
                 f"(max {_num(m.get('agreement/exp_abs_dlogp_max'), '.3f')})  "
                 f"{time.monotonic() - started:6.0f} s")
+        shown = len(lines)
         if bridge.poll() is not None:
-            break
+            if bridge.returncode != -signal.SIGKILL or restarts >= MAX_RESTARTS:
+                break
+            # Killed (the kernel's OOM killer on a shared machine): the bridge carries on from
+            # its last resumable checkpoint; the runner goes on meanwhile.
+            restarts += 1
+            log(f"   the bridge was killed (SIGKILL, see dmesg); restart {restarts}/"
+                f"{MAX_RESTARTS} from its last resumable checkpoint")
+            progress.unlink(missing_ok=True)
+            shown = 0
+            bridge = _bridge(servers, settings, out, run_id, until, True, state_every)
         servers.alive()
         time.sleep(5)
     if player.poll() is None:
@@ -111,7 +122,7 @@ def segment(servers: Servers, settings: TrainSettings, tasks_file: Path, n_tasks
     player.wait(600)
     if bridge.returncode:
         raise SystemExit(f"the bridge failed (exit {bridge.returncode}); see {out / 'bridge.log'}")
-    return entries
+    return [by_step[k] for k in sorted(by_step)]
 
 
 def _num(value: float | None, fmt: str = "6.3f") -> str:
