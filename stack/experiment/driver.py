@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -73,6 +74,9 @@ def run(config: Config, steps: list[tuple[str, Part]], *, results: Path, workdir
         if only is not None and name not in only:
             continue
         log(f"== {name}: started {datetime.datetime.now().isoformat(timespec='seconds')}")
+        # A part cut short left its database, runner state and checkpoints here: a rerun
+        # starts the part afresh, or its old rollouts would join the new run's groups.
+        shutil.rmtree(workdir / name, ignore_errors=True)
         started = time.monotonic()
         result = part(ctx)
         record = {"part": name, "commit": git_commit_id(),

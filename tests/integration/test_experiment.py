@@ -63,12 +63,15 @@ def test_seeded_evaluation_and_a_resumed_run(vllm_server, tmp_path):
             assert s.verdict in {"pass", "logic", *STRUCTURAL} and s.total == 4
     assert arm.ood == [tasks[-1]["id"]] and len(arm.outcomes()) == 2
 
+    leftover = tmp_path / "work" / "second" / "state.jsonl"  # what the stopped part left
+    leftover.parent.mkdir(parents=True)
+    leftover.write_text("{}\n")
     ran = []
     resumed = [("eval", lambda ctx: pytest.fail("a finished part ran again")),
                ("second", lambda ctx: ran.append("second") or {"ok": True})]
     done = driver.run(Config(), resumed, results=results, workdir=tmp_path / "work",
                       model_dir=vllm_server.model_dir, seeds=[0])
-    assert ran == ["second"] and set(done) == {"eval", "second"}
+    assert ran == ["second"] and set(done) == {"eval", "second"} and not leftover.exists()
     assert json.loads((results / "second.json").read_text())["result"] == {"ok": True}
 
 
