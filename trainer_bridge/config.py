@@ -91,6 +91,11 @@ class BridgeConfig:
     std_scaling: bool = field(default=True, metadata=_opt(
         "divide advantages by the group's reward std (--no-std-scaling: reward - group mean)",
         _TRAIN, action=argparse.BooleanOptionalAction))
+    shuffle_rewards: bool = field(default=False, metadata=_opt(
+        "a control run, not training: permute the rewards within each group before the "
+        "advantages (a fixed permutation per group), so the policy gets a signal unrelated to "
+        "what it did; a held-out change after such a run is what the loop does without one",
+        _TRAIN, action=argparse.BooleanOptionalAction))
     token_budget: int = field(default=16384, metadata=_opt(
         "tokens per micro-batch row; longer sequences are skipped and logged, never truncated",
         _TRAIN, metavar="N", type=int))
@@ -194,6 +199,7 @@ class BridgeConfig:
             group_deadline_s=self.group_deadline,
             partial_groups=self.partial_groups,
             scale_std=self.std_scaling,
+            shuffle_rewards=self.shuffle_rewards,
             max_staleness=self.max_staleness,
             queue_size=self.queue_size,
             lease_s=self.lease_seconds,

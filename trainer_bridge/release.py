@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+import random
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ class SourceConfig:
     group_deadline_s: float = 600.0  # from the first member's merge to releasing a partial group
     partial_groups: PartialGroups = "train"
     scale_std: bool = True  # divide advantages by the group's reward std
+    shuffle_rewards: bool = False  # control runs: rewards permuted within each group
     max_staleness: int = 4  # trained tokens more versions behind than this are masked out
     queue_size: int = 64  # new groups are claimed only while fewer samples wait in the queue
     lease_s: float = 60.0
@@ -145,7 +147,13 @@ def plan_release(
         return {m.id: float(m.advantage or 0.0) for m in released}, late
     if not decision.trains:
         return {}, [m.id for m in members]
-    advantages = group_advantages([m.reward for m in members], scale_std=config.scale_std)
+    rewards = [m.reward for m in members]
+    if config.shuffle_rewards:
+        # In id order, seeded by the ids: the same permutation whatever order they come in.
+        members = sorted(members, key=lambda m: str(m.id))
+        rewards = [m.reward for m in members]
+        random.Random(",".join(str(m.id) for m in members)).shuffle(rewards)
+    advantages = group_advantages(rewards, scale_std=config.scale_std)
     return {m.id: float(a) for m, a in zip(members, advantages, strict=True)}, []
 
 

@@ -141,6 +141,26 @@ class _TruncatedIS:
         return outputs
 
 
+class _Agreement:
+    """The policy model as TRL's `compute_loss` calls it, unchanged, recording how far the
+    trainer's log-probs of the trained tokens are from the sampler's recorded ones, before this
+    step's update: the mean of exp|lp - recorded| (a rate, so the step's value is over all its
+    tokens) and its worst token, NeMo RL's sampler/trainer agreement (1.0 = identical)."""
+
+    def __init__(self, model, token_index, recorded, metrics) -> None:
+        self.model, self.token_index, self.recorded = model, token_index, recorded
+        self.metrics = metrics
+
+    def __call__(self, **kwargs):
+        outputs = self.model(**kwargs)
+        lp = outputs.log_probs.detach().flatten()[self.token_index]
+        if lp.numel():
+            gap = torch.exp((lp - self.recorded).abs())
+            self.metrics["agreement/exp_abs_dlogp"].append((gap.sum().item(), float(gap.numel())))
+            self.metrics["agreement/exp_abs_dlogp_max"].append(gap.max().item())
+        return outputs
+
+
 class _Acknowledge(TrainerCallback):
     """Tells the rollout source which samples the optimizer step just took (before the push)."""
 
@@ -275,8 +295,10 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
             # leaves TRL's forward, clipping and metrics (which read only A's sign) as they are.
             scale = inputs["loss_weight"] * inputs["global_n_tokens"][0]
             inputs = {**inputs, "advantages": inputs["advantages"] * scale}
+        selected = inputs["token_index"] >= 0
+        model = cast(Any, _Agreement)(model, inputs["token_index"][selected],
+                                      inputs["old_log_probs"][selected], self._metrics["train"])
         if self.importance_sampling == "tis":
-            selected = inputs["token_index"] >= 0
             model = cast(Any, _TruncatedIS)(
                 model,
                 inputs["token_index"][selected],

@@ -40,7 +40,13 @@ def target_file(workdir: str | Path) -> Path:
 
 
 def user_message(prompt: str, path: Path) -> str:
-    return f"{prompt}\n\n{path.name}:\n```python\n{path.read_text()}```"
+    return user_text(prompt, path.name, path.read_text())
+
+
+def user_text(prompt: str, file_name: str, content: str) -> str:
+    """The user turn for a task's prompt and the file to complete (also what the learning
+    experiment's evaluation sends, so it asks exactly as training does)."""
+    return f"{prompt}\n\n{file_name}:\n```python\n{content}```"
 
 
 def run(*, prompt: str, base_url: str, api_key: str, model: str, workdir: str) -> None:

@@ -59,6 +59,11 @@ FLAGS = [
     ('--std-scaling', True, False, None, None,
      "divide advantages by the group's reward std (--no-std-scaling: reward - group mean) "
      '(env ROLLTAP_STD_SCALING; default True)'),
+    ('--shuffle-rewards', False, False, None, None,
+     'a control run, not training: permute the rewards within each group before the '
+     'advantages (a fixed permutation per group), so the policy gets a signal unrelated to '
+     'what it did; a held-out change after such a run is what the loop does without one (env '
+     'ROLLTAP_SHUFFLE_REWARDS; default False)'),
     ('--token-budget', 16384, False, 'N', None,
      'tokens per micro-batch row; longer sequences are skipped and logged, never truncated '
      '(env ROLLTAP_TOKEN_BUDGET; default 16384)'),

@@ -178,6 +178,9 @@ def test_trains_on_cpu_and_syncs_after_every_step(tiny_model, tmp_path, loss_nor
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logged) == steps and all(math.isfinite(entry["loss"]) for entry in logged)
     assert any(entry["loss"] != 0.0 for entry in logged)
+    # Sampler/trainer agreement of every step's trained tokens: exp|dlogp| >= 1, mean <= worst.
+    for entry in logged:
+        assert 1.0 <= entry["agreement/exp_abs_dlogp"] <= entry["agreement/exp_abs_dlogp_max"]
     assert sum(entry.get("rollout/skipped_sequences_total", 0.0) for entry in logged) > 0
 
     after = dict(trainer.model.named_parameters())
