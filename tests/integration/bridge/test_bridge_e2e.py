@@ -622,3 +622,48 @@ def test_plain_chat_rollouts_train_and_a_group_of_side_calls_says_why_it_does_no
                for s in family.samples}
     assert metrics[("rolltap_consumed_excluded_tokens", "auxiliary")] > 0
     assert metrics[("rolltap_consumed_trained_tokens", None)] > 0
+
+
+def test_a_finite_run_trains_every_sample_it_took_and_ends_by_itself(
+        untied_model, replicas, training_gateway, database_url, tmp_path):
+    """Issue #40's run: 32 one-call chat rollouts in 8 groups, recorded before the bridge
+    starts; a bridge with the defaults and only --num-generations 4 --token-budget 256
+    --max-steps 2 trains every sample it took and exits by itself, and no waiting line it says
+    contradicts its own numbers."""
+    run = uuid.uuid4().hex[:12]
+    admin = httpx.Client(base_url=training_gateway.url, timeout=60,
+                         headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    for group in range(8):
+        _chat_group(admin, run, f"g{group}")
+    out, log_path = tmp_path / "bridge", tmp_path / "bridge.log"
+    command = [
+        sys.executable, "-m", "trainer_bridge.cli", "bridge",
+        "--model", str(untied_model), "--gateway", training_gateway.url,
+        "--vllm", replicas[0], "--vllm", replicas[1],
+        "--admin-key", ADMIN_KEY, "--database-url", database_url,
+        "--num-generations", "4", "--max-steps", "2", "--token-budget", "256",
+        "--weight-sync", "disk", "--threads", "1", "--match", f"run={run}",
+        "--output-dir", str(out),
+    ]
+    with log_path.open("w") as log:
+        bridge = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        code = bridge.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        bridge.kill()
+        pytest.fail(f"the bridge did not end by itself:\n{log_path.read_text()[-4000:]}")
+    text = log_path.read_text()
+    assert code == 0, text[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2, summary
+    source = summary["source"]
+    assert source["samples"] > 0, source
+    assert source["trained_samples"] == source["samples"], (source, text[-4000:])
+    _, deliveries = asyncio.run(_run_state(database_url, run))
+    assert sum(row["outcome"] == "trained" for row in deliveries) == source["samples"]
+    for line in text.splitlines():
+        held = re.search(r"partial micro-batch: (\d+) samples, (\d+) unique tokens and (\d+) "
+                         r"loss terms", line)
+        if held:
+            samples, unique, terms = map(int, held.groups())
+            assert 0 < samples <= terms < unique <= 256, line
