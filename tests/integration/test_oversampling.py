@@ -74,7 +74,7 @@ async def _bridge_view(database_url: str, run_id: str) -> tuple[list, list]:
         groups = await deliveries.pending_groups(conn, {"run_id": run_id})
         claimed = []
         for g in groups:
-            claimed += await deliveries.claim_group(conn, "test-bridge", g["group_key"],
+            claimed += await deliveries.claim_group(conn, "test-bridge", g.group_key,
                                                     {"run_id": run_id}, 1.0) or []
         return groups, claimed
     finally:
@@ -126,7 +126,7 @@ def test_stragglers_are_aborted_never_trained_and_leave_nothing_running(
         assert "length bias" in state["metadata"]["group"]["note"]
     # A bridge is offered the kept members only.
     groups, claimed = asyncio.run(_bridge_view(database_url, report.run_id))
-    assert [g["ready"] for g in groups] == [keep]
-    assert {str(r["id"]) for r in claimed} == {r.rollout_id for r in kept}
+    assert [g.ready for g in groups] == [keep]
+    assert {str(r.id) for r in claimed} == {r.rollout_id for r in kept}
     backlog = gateway.admin.get("/admin/backlog", params={"run_id": report.run_id}).json()
     assert backlog["running"] == 0 and backlog["waiting"] == keep

@@ -275,7 +275,7 @@ async def _book_as_trained(dsn: str, run_id: str, group_id: str, step: int) -> N
         owner = f"stand-in-trainer-{run_id}"
         rows = await deliveries.claim_group(conn, owner, group_id, {"run_id": run_id}, 60)
         assert rows, f"group {group_id} was not deliverable"
-        ids = [r["id"] for r in rows]
+        ids = [r.id for r in rows]
         await deliveries.release_group(conn, owner, dict.fromkeys(ids, 1.0), [], [])
         traces = await deliveries.undelivered_traces(conn, ids)
         await deliveries.acknowledge(conn, owner, step, [
