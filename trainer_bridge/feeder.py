@@ -124,7 +124,9 @@ class Feeder:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._loop is not None
+        # The thread, not its loop: right after start() the loop does not exist yet, and a
+        # health check then must not take the feeder for dead.
+        return self._thread is not None and self._thread.is_alive()
 
     def call(self, op: Callable[[Conn], Awaitable[T]], what: str) -> T:
         """`op` on a pooled connection from another thread, retried through transient

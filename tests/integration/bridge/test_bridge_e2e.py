@@ -553,7 +553,7 @@ def test_plain_chat_rollouts_train_and_a_group_of_side_calls_says_why_it_does_no
         "--vllm", replicas[0], "--vllm", replicas[1],
         "--admin-key", ADMIN_KEY, "--database-url", database_url,
         "--num-generations", "4", "--max-steps", "2", "--token-budget", "256",
-        "--weight-sync", "disk", "--threads", "1", "--match", f"run={run}",
+        "--weight-sync", "disk", "--threads", "1", "--match", match_arg("run", run),
         "--output-dir", str(out),
     ]
     with log_path.open("w") as log:
@@ -642,7 +642,7 @@ def test_a_finite_run_trains_every_sample_it_took_and_ends_by_itself(
         "--vllm", replicas[0], "--vllm", replicas[1],
         "--admin-key", ADMIN_KEY, "--database-url", database_url,
         "--num-generations", "4", "--max-steps", "2", "--token-budget", "256",
-        "--weight-sync", "disk", "--threads", "1", "--match", f"run={run}",
+        "--weight-sync", "disk", "--threads", "1", "--match", match_arg("run", run),
         "--output-dir", str(out),
     ]
     with log_path.open("w") as log:
