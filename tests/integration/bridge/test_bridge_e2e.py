@@ -22,6 +22,7 @@ import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import asyncpg
 import httpx
@@ -538,18 +539,14 @@ def _wait_for_line(log_path, bridge, needle: str, since: int, timeout: float) ->
         time.sleep(0.5)
 
 
-def test_plain_chat_rollouts_train_and_a_group_of_side_calls_says_why_it_does_not(
-        untied_model, replicas, training_gateway, database_url, tmp_path):
-    run = uuid.uuid4().hex[:12]
-    admin = httpx.Client(base_url=training_gateway.url, timeout=60,
-                         headers={"Authorization": f"Bearer {ADMIN_KEY}"})
-    base = admin.get("/admin/policy").json()["version"]
-    # A tool-using harness whose every rollout died after its toolless title call.
-    side = _chat_group(admin, run, "side", side_calls="toolless")
+def _finite_bridge(untied_model, replicas, gateway_url: str, database_url: str, run: str,
+                   tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """A bridge over `run`'s rollouts with the defaults and only --num-generations 4
+    --token-budget 256 --max-steps 2 (and where things are): its process, output dir and log."""
     out, log_path = tmp_path / "bridge", tmp_path / "bridge.log"
     command = [
         sys.executable, "-m", "trainer_bridge.cli", "bridge",
-        "--model", str(untied_model), "--gateway", training_gateway.url,
+        "--model", str(untied_model), "--gateway", gateway_url,
         "--vllm", replicas[0], "--vllm", replicas[1],
         "--admin-key", ADMIN_KEY, "--database-url", database_url,
         "--num-generations", "4", "--max-steps", "2", "--token-budget", "256",
@@ -558,6 +555,19 @@ def test_plain_chat_rollouts_train_and_a_group_of_side_calls_says_why_it_does_no
     ]
     with log_path.open("w") as log:
         bridge = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    return bridge, out, log_path
+
+
+def test_plain_chat_rollouts_train_and_a_group_of_side_calls_says_why_it_does_not(
+        untied_model, replicas, training_gateway, database_url, tmp_path):
+    run = uuid.uuid4().hex[:12]
+    admin = httpx.Client(base_url=training_gateway.url, timeout=60,
+                         headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    base = admin.get("/admin/policy").json()["version"]
+    # A tool-using harness whose every rollout died after its toolless title call.
+    side = _chat_group(admin, run, "side", side_calls="toolless")
+    bridge, out, log_path = _finite_bridge(untied_model, replicas, training_gateway.url,
+                                           database_url, run, tmp_path)
     try:
         # The side-call group is consumed, and within 30 s one line names the cause and the
         # flag that changes it.
@@ -635,18 +645,8 @@ def test_a_finite_run_trains_every_sample_it_took_and_ends_by_itself(
                          headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     for group in range(8):
         _chat_group(admin, run, f"g{group}")
-    out, log_path = tmp_path / "bridge", tmp_path / "bridge.log"
-    command = [
-        sys.executable, "-m", "trainer_bridge.cli", "bridge",
-        "--model", str(untied_model), "--gateway", training_gateway.url,
-        "--vllm", replicas[0], "--vllm", replicas[1],
-        "--admin-key", ADMIN_KEY, "--database-url", database_url,
-        "--num-generations", "4", "--max-steps", "2", "--token-budget", "256",
-        "--weight-sync", "disk", "--threads", "1", "--match", match_arg("run", run),
-        "--output-dir", str(out),
-    ]
-    with log_path.open("w") as log:
-        bridge = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    bridge, out, log_path = _finite_bridge(untied_model, replicas, training_gateway.url,
+                                           database_url, run, tmp_path)
     try:
         code = bridge.wait(timeout=900)
     except subprocess.TimeoutExpired:
