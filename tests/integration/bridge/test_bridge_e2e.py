@@ -37,7 +37,7 @@ from stack.serve_model import start_vllm
 from stack.toy_task import ToyTask, run_toy_rollouts
 from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
 from tests.support.vllm import TINY_MODEL_NAME
-from trainer_bridge import resume
+from trainer_bridge import deliveries, resume
 from trainer_bridge.checkpoints import untie_embeddings
 from trainer_bridge.config import match_arg
 from trainer_bridge.versions import PolicyAnnouncer, VersionedTransfer
@@ -634,12 +634,23 @@ def test_plain_chat_rollouts_train_and_a_group_of_side_calls_says_why_it_does_no
     assert metrics[("rolltap_consumed_trained_tokens", None)] > 0
 
 
-def test_a_finite_run_trains_every_sample_it_took_and_ends_by_itself(
+async def _deliverable(database_url: str, run: str) -> list:
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads,
+                                  schema="pg_catalog")
+        return await deliveries.pending_groups(conn, {"run": run})
+    finally:
+        await conn.close()
+
+
+def test_a_finite_run_ends_by_itself_and_gives_back_what_it_did_not_train(
         untied_model, replicas, training_gateway, database_url, tmp_path):
     """Issue #40's run: 32 one-call chat rollouts in 8 groups, recorded before the bridge
     starts; a bridge with the defaults and only --num-generations 4 --token-budget 256
-    --max-steps 2 trains every sample it took and exits by itself, and no waiting line it says
-    contradicts its own numbers."""
+    --max-steps 2 ends by itself after its two steps, logs exactly what they trained, gives
+    every other sample back to the database (deliverable to the next run, under no lease), and
+    no waiting line it says contradicts its own numbers."""
     run = uuid.uuid4().hex[:12]
     admin = httpx.Client(base_url=training_gateway.url, timeout=60,
                          headers={"Authorization": f"Bearer {ADMIN_KEY}"})
@@ -656,11 +667,13 @@ def test_a_finite_run_trains_every_sample_it_took_and_ends_by_itself(
     assert code == 0, text[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2, summary
-    source = summary["source"]
-    assert source["samples"] > 0, source
-    assert source["trained_samples"] == source["samples"], (source, text[-4000:])
-    _, deliveries = asyncio.run(_run_state(database_url, run))
-    assert sum(row["outcome"] == "trained" for row in deliveries) == source["samples"]
+    trained = summary["source"]["trained_samples"]
+    rollouts, log = asyncio.run(_run_state(database_url, run))
+    assert 0 < trained == sum(row["outcome"] == "trained" for row in log), (summary, text[-4000:])
+    # One trace a rollout: the consumed ones are exactly those the two steps trained.
+    assert sum(consumed for consumed, _ in rollouts.values()) == trained
+    groups = asyncio.run(_deliverable(database_url, run))
+    assert sum(g.ready for g in groups) == 32 - trained and not any(g.leased for g in groups)
     for line in text.splitlines():
         held = re.search(r"partial micro-batch: (\d+) samples, (\d+) unique tokens and (\d+) "
                          r"loss terms", line)
