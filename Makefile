@@ -68,7 +68,7 @@ $(HARBOR_STAMP): Makefile $(STAMP) sandbox/harbor/mini-swe-agent.txt
 	touch $(HARBOR_STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q -ra -m "not slow"
+	$(BIN)/python -m pytest -q -ra --durations=25 -m "not slow"
 
 # The inner loop: tests/unit only, which start nothing (no vLLM, Postgres, sandbox or child
 # process; tests/unit/conftest.py fails a test that does). A few minutes on 2 cores.
@@ -77,7 +77,7 @@ test-unit: install
 
 # Tests of whole demo runs, many minutes each (tests marked `slow`); CI runs them after `make test`.
 test-slow: install
-	$(BIN)/python -m pytest -q -ra -m slow
+	$(BIN)/python -m pytest -q -ra --durations=15 -m slow
 
 demo: install
 	$(BIN)/rolltap demo

@@ -232,15 +232,18 @@ def _failure(exc: BaseException) -> GatewayError:
             "call was not recorded",
             code="rollout_ended",
         )
-    if isinstance(exc, Stalled):
+    if isinstance(exc, Unavailable):
+        # Stalled or away: the recorder holds the record and writes it once the database
+        # answers, so the client hears "not yet", not "lost"; its retry reads as one.
+        stalled = isinstance(exc, Stalled)
         return GatewayError(
             503,
-            f"the call's record was not committed within the gateway's --commit-wait ({exc}); "
-            "it will be written when the database answers again: retry shortly",
-            "overloaded_error",
+            f"the call's record was not committed ({exc}); it will be written when the "
+            "database answers again: retry shortly",
+            "overloaded_error" if stalled else "service_unavailable",
             retry_after=RETRY_AFTER_S,
         )
-    if isinstance(exc, (Unavailable, *UNAVAILABLE)):
+    if isinstance(exc, UNAVAILABLE):
         return GatewayError(
             503,
             f"the call could not be recorded: database unavailable ({exc}); retry shortly",

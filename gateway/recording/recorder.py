@@ -144,7 +144,7 @@ class Recorder:
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.commit_wait_s)
         except TimeoutError:
-            raise Stalled(f"database stalled: the record was not committed within "
+            raise Stalled(f"database stalled: no commit within the gateway's --commit-wait of "
                           f"{self.commit_wait_s:g} s") from None
 
     async def _next_batch(self) -> list[tuple[calls_store.CallRecord, asyncio.Future[None]]]:
@@ -211,10 +211,13 @@ class Recorder:
                     self.down = _reason(exc)
                     # The waiting calls hear first: dropping a connection to a frozen server
                     # can itself take until the timeout.
+                    # Only a record that is held hears `Unavailable` (written later); one a
+                    # bug failed hears the bug.
+                    held = isinstance(exc, UNAVAILABLE)
                     for rec, fut in batch:
-                        if isinstance(exc, UNAVAILABLE) and not fut.done():
+                        if held and not fut.done():
                             self._hold(rec)
-                        _settle(fut, Unavailable(self.down))
+                        _settle(fut, Unavailable(self.down) if held else exc)
                     if conn is not None:
                         # In the background, for the same reason.
                         self._dropping.add(asyncio.create_task(_drop(self._pool, conn)))

@@ -21,7 +21,7 @@ from tests.support.outage_load import Load, describe
 CLIENTS = 16
 FREEZE_S = 15.0
 COMMIT_WAIT_S = 3.0
-STALLED = b"was not committed within"
+STALLED = b"no commit within the gateway's --commit-wait"
 
 
 async def _ok_rows(dsn: str) -> dict[str, int]:

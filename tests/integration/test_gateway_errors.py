@@ -107,7 +107,8 @@ def test_client_disconnect_mid_stream_is_recorded_as_aborted(gateway, vllm_serve
         threading.Event().wait(0.1)
     [call] = calls
     assert call["status"] == "aborted"
-    assert 0 < len(call["completion_ids"]) < 2000
+    # All 2000 when the engine outran the client: the gateway had them before the close.
+    assert 0 < len(call["completion_ids"]) <= 2000
     assert len(call["logprobs"]) == len(call["completion_ids"])
 
 

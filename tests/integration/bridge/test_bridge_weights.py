@@ -12,12 +12,13 @@ import sys
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tests.support.gateway import ADMIN_KEY, GatewayProcess
 from trainer_bridge.checkpoints import (
     check_names,
     checkpoint_names,
+    prune_checkpoints,
     remove_partial_checkpoints,
     untie_embeddings,
     write_checkpoint,
@@ -180,19 +181,15 @@ def _checkpoints(root, indexes, resumable=()):
 
 
 def test_pruning_keeps_the_newest_the_last_resumable_and_the_model_it_started_from(tmp_path):
-    model = _model_dir(tmp_path)
-    (model / "model.safetensors").unlink()
-    save_file(_tensors(), str(model / "model.safetensors"))
     root = tmp_path / "ckpt"
     _checkpoints(root, range(1, 8), resumable={2, 4})
-    sync = DiskWeightSync(model, root, ["http://127.0.0.1:9"], keep=2,
-                          resumable=lambda p: (p / "state").exists(),
-                          protected=[root / "policy-000001"])
-    sync._prune()
+    prune_checkpoints(root, 2, lambda p: (p / "state").exists(),
+                      {(root / "policy-000001").resolve()})
     assert sorted(p.name for p in root.iterdir()) == [
         "policy-000001", "policy-000004", "policy-000006", "policy-000007"]
-    # Started from a checkpoint in the directory (--model): that one stays too.
-    DiskWeightSync(root / "policy-000006", root, ["http://127.0.0.1:9"], keep=1)._prune()
+    # Started from a checkpoint in the directory (--model): DiskWeightSync protects that one.
+    sync = DiskWeightSync(root / "policy-000006", root, ["http://127.0.0.1:9"], keep=1)
+    prune_checkpoints(root, sync.keep, sync.resumable, sync.protected)
     assert sorted(p.name for p in root.iterdir()) == ["policy-000006", "policy-000007"]
 
 
