@@ -248,7 +248,10 @@ class Feeder:
 
     async def _feed(self, pool: asyncpg.Pool) -> float:
         """Release every group that is due while the queue has room; returns how long to wait."""
-        if not self._room():
+        open_batch = self.buffer.open_batch
+        if open_batch.taken_all:
+            return math.inf  # this run trains nothing more
+        if not self._room() or open_batch.waiting_for_trainer():
             return _ROOM_POLL_S
         async with pool.acquire() as conn:
             groups = await deliveries.pending_groups(conn, self.config.match)
@@ -259,6 +262,8 @@ class Feeder:
                 break
             if not self._room():
                 return _ROOM_POLL_S
+            if open_batch.taken_all:
+                return math.inf
             if group.leased:
                 continue
             decision = decide(group.ready, group.waited_s, group.released, self.config)
@@ -303,6 +308,14 @@ class Feeder:
                 traces = await deliveries.undelivered_traces(conn, list(advantages))
                 batch = build_group(training, advantages, traces, group_id=group_number(group_key),
                                     config=config, decode=self.decode)
+                if not self.buffer.takes(batch.samples):
+                    # Its samples would be taken and never trained: the group stays for the
+                    # next run, and this one takes nothing more.
+                    await deliveries.release(conn, self.owner, ids)
+                    self.buffer.open_batch.taken_all = True
+                    log.info("group %s left for the next run: the steps this one has left "
+                             "(--max-steps) cannot train it too", group_key)
+                    return
                 await deliveries.release_group(conn, self.owner, advantages, dropped,
                                                batch.skipped)
                 # Dropped members, and members with nothing to deliver, are consumed now.

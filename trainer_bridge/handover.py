@@ -8,6 +8,13 @@ forever. Here the open micro-batch is trained as a step once no new sample has a
 `flush_after_s` (the bridge's --flush-after), and with `until_empty` the stream ends once the
 source has nothing left to deliver, which ends the run.
 
+A run has a last step (--max-steps), and a sample handed over after the last micro-batch is
+taken but never trained. So the trainer tells `OpenBatch` how many micro-batches its run has
+left, the batcher lends it a dry run of its own placement (`micro_batches`), and the feeder
+hands over a group only if `DeliveryQueue.takes` says the rest of the run trains it too. Once
+one does not fit the feeder takes nothing more (`OpenBatch.taken_all`), the open micro-batch
+trains as soon as the queue is empty, and the batcher's iteration ends with the last one.
+
 The trainer's thread drives all of it: TRL's queue reader calls `DeliveryQueue.get`, which
 raises `FlushDue` or `StreamEnded` instead of waiting on; `FlushingBatcher` (TRL's batcher with
 that one rule added) trains what it holds on the first and ends the epoch, and passes the second
@@ -20,7 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -36,9 +43,10 @@ class FlushDue(Exception):
 
 
 class StreamEnded(Exception):
-    """`until_empty`: the source has nothing left, and the trainer holds nothing (so neither
-    does accelerate's dispatcher: it holds a micro-batch only while the one after it is open).
-    The trainer ends the run on it (`RolltapGRPOTrainer.get_batch_samples`)."""
+    """Nothing more comes (`until_empty` and the source has nothing left, or the feeder has
+    `taken_all` the run trains), and the trainer holds nothing (so neither does accelerate's
+    dispatcher: it holds a micro-batch only while the one after it is open). The trainer ends
+    the run on it (`RolltapGRPOTrainer.get_batch_samples`); the message says why."""
 
 
 class Held(msgspec.Struct, frozen=True):
@@ -52,13 +60,32 @@ class Held(msgspec.Struct, frozen=True):
     rows: int = 1
 
 
+# A sample as the batcher places it: the fields of TRL's sample dict its rows read.
+Placed = dict[str, Any]
+# The batcher's dry run: micro-batches that the samples held in the open rows (per row) and
+# more samples after them make.
+Planner = Callable[[Sequence[Sequence[Placed]], Iterable[Placed]], int]
+
+
+def placed(sample: RolloutSample) -> Placed:
+    return {"input_ids": sample.input_ids, "completion_mask": sample.completion_mask,
+            "group_id": sample.group_id}
+
+
 class OpenBatch:
-    """What the trainer holds between micro-batches, and when it trains it anyway."""
+    """What the trainer holds between micro-batches, when it trains it anyway, and how many
+    more the run trains."""
 
     def __init__(self, flush_after_s: float, until_empty: bool = False) -> None:
         self.flush_after_s = flush_after_s
         self.until_empty = until_empty
         self.held = Held()
+        self.rows: tuple[tuple[Placed, ...], ...] = ()  # the open rows' samples
+        # Set by the trainer as its run begins (None before, or without a last step).
+        self.micro_batches_left: int | None = None
+        self.planner: Planner | None = None  # lent by the batcher
+        # Set by the feeder: the run's remaining micro-batches cannot train another group.
+        self.taken_all = False
         self.last_arrival = time.monotonic()
         # Set by the feeder: its last look found nothing deliverable and nothing queued.
         self.source_empty = False
@@ -68,6 +95,7 @@ class OpenBatch:
         self.last_arrival = time.monotonic()
 
     def report(self, rows: list[TreeRow]) -> None:
+        self.rows = tuple(tuple(row.samples) for row in rows)
         self.held = Held(
             samples=sum(len(row.samples) for row in rows),
             unique_tokens=sum(len(row.tokens) for row in rows),
@@ -84,10 +112,33 @@ class OpenBatch:
         """Seconds until the open micro-batch trains as it is; None while none can."""
         if not self.flushable():
             return None
+        if self.taken_all:
+            return 0.0  # nothing more comes in this run
         return max(0.0, self.last_arrival + self.flush_after_s - time.monotonic())
 
     def idle_s(self) -> float:
         return time.monotonic() - self.last_arrival
+
+    def emitted(self) -> int | None:
+        """Counts a micro-batch the batcher handed on; returns how many the run has left."""
+        if self.micro_batches_left is not None:
+            self.micro_batches_left -= 1
+        return self.micro_batches_left
+
+    def waiting_for_trainer(self) -> bool:
+        """The batcher is built but its run has not said how much it trains: take nothing yet."""
+        return self.planner is not None and self.micro_batches_left is None
+
+    def takes(self, queued: Sequence[RolloutSample], group: Sequence[RolloutSample]) -> bool:
+        """Whether the run's remaining micro-batches train `group` after what the trainer holds
+        and what is `queued` before it."""
+        left, plan, rows = self.micro_batches_left, self.planner, self.rows
+        if left is None or plan is None:
+            return True
+        # Every micro-batch holds a sample, so this many samples fit in any packing.
+        if sum(map(len, rows)) + len(queued) + len(group) <= left:
+            return True
+        return plan(rows, map(placed, [*queued, *group])) <= left
 
 
 class DeliveryQueue(queue.Queue[RolloutSample]):
@@ -107,6 +158,12 @@ class DeliveryQueue(queue.Queue[RolloutSample]):
         # The trainer's idle time: blocked here, from its first request for a sample on.
         self.idle_s = 0.0
         self.first_get: float | None = None
+
+    def takes(self, group: Sequence[RolloutSample]) -> bool:
+        """`OpenBatch.takes` for `group` after the samples queued now."""
+        with self.mutex:
+            queued = list(self.queue)
+        return self.open_batch.takes(queued, group)
 
     def idle_fraction(self) -> float | None:
         """The share of the trainer's wall time since its first request spent waiting for
@@ -144,9 +201,14 @@ class DeliveryQueue(queue.Queue[RolloutSample]):
         batch = self.open_batch
         if batch.flush_in() == 0.0:
             raise FlushDue
-        if (batch.until_empty and batch.source_empty and not batch.held.samples
-                and self.empty() and batch.idle_s() >= batch.flush_after_s):
-            raise StreamEnded
+        if batch.held.samples or not self.empty():
+            return
+        if batch.taken_all:
+            raise StreamEnded("what is left of the run (--max-steps) cannot train the next "
+                              "group: it stays for the next run")
+        if (batch.until_empty and batch.source_empty
+                and batch.idle_s() >= batch.flush_after_s):
+            raise StreamEnded("nothing left to deliver (--until-empty)")
 
 
 def _sooner(left: float | None, flush_in: float | None) -> float | None:
@@ -157,8 +219,9 @@ def _sooner(left: float | None, flush_in: float | None) -> float | None:
 
 class FlushingBatcher(TokenBudgetBatcher):
     """TRL's token-budget batcher (rows of unique tokens and loss terms within the budget,
-    balanced, a group's samples together) plus one rule: the open micro-batch is emitted when
-    the queue says `FlushDue`, and the iteration ends for good on `StreamEnded`."""
+    balanced, a group's samples together) plus three rules: the open micro-batch is emitted
+    when the queue says `FlushDue`, the iteration ends for good on `StreamEnded`, and it ends
+    after the run's last micro-batch."""
 
     def __init__(
         self,
@@ -170,6 +233,7 @@ class FlushingBatcher(TokenBudgetBatcher):
     ) -> None:
         super().__init__(dataset, num_processes, token_budget, metrics)
         self.open_batch = open_batch
+        open_batch.planner = self.micro_batches
 
     def __iter__(self) -> Iterator[list[TreeRow]]:  # pyright: ignore[reportIncompatibleMethodOverride]
         rows = self._fresh()
@@ -178,10 +242,19 @@ class FlushingBatcher(TokenBudgetBatcher):
                 rows, closed = self._add(rows, sample)
                 if closed is not None:
                     yield closed
+                    if self.open_batch.emitted() == 0:
+                        # The run's last: accelerate's dispatcher, which holds one micro-batch
+                        # until it has the next, hands it over only once the iteration ends.
+                        return
         except FlushDue:
-            log.info("training a partial micro-batch of %d samples: no new sample for %.0f s",
-                     self.open_batch.held.samples, self.open_batch.flush_after_s)
+            if self.open_batch.taken_all:
+                log.info("training the run's last micro-batch (%d samples)",
+                         self.open_batch.held.samples)
+            else:
+                log.info("training a partial micro-batch of %d samples: no new sample for "
+                         "%.0f s", self.open_batch.held.samples, self.open_batch.flush_after_s)
             yield rows
+            self.open_batch.emitted()
             self._fresh()
             # Accelerate's dispatcher fetches a micro-batch ahead before it hands one over: the
             # iteration (the trainer's epoch) ends here, so it hands over both it holds. The
@@ -206,12 +279,32 @@ class FlushingBatcher(TokenBudgetBatcher):
                         self.token_budget)
             self.metrics["batch/dropped_oversize_total"].append(1.0)
             return rows, None
-        closed = None
-        placed = self._place(rows, sample)
-        if placed is None:
-            closed, rows = rows, [TreeRow() for _ in range(self.num_processes)]
-            # A sample within the budget fits an empty row.
-            placed = self._place(rows, sample) or rows[0]
-        placed.add(sample)
+        rows, closed = self._put(rows, sample)
         self.open_batch.report(rows)
         return rows, closed
+
+    def _put(
+        self, rows: list[TreeRow], sample: Placed
+    ) -> tuple[list[TreeRow], list[TreeRow] | None]:
+        closed = None
+        row = self._place(rows, sample)
+        if row is None:
+            closed, rows = rows, [TreeRow() for _ in range(self.num_processes)]
+            # A sample within the budget fits an empty row.
+            row = self._place(rows, sample) or rows[0]
+        row.add(sample)
+        return rows, closed
+
+    def micro_batches(self, held: Sequence[Sequence[Placed]], more: Iterable[Placed]) -> int:
+        """The micro-batches the samples `held` in the open rows and `more` after them make,
+        placed as the iteration would place them (a dry run, on rows of its own)."""
+        rows = [TreeRow() for _ in range(self.num_processes)]
+        for row, samples in zip(rows, held, strict=False):
+            for sample in samples:
+                row.add(sample)
+        closed = 0
+        for sample in more:
+            if len(sample["input_ids"]) <= self.token_budget:
+                rows, done = self._put(rows, sample)
+                closed += done is not None
+        return closed + any(row.samples for row in rows)

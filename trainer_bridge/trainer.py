@@ -178,6 +178,18 @@ class _Acknowledge(TrainerCallback):
         crash_point("after_log")
 
 
+class _RunLength(TrainerCallback):
+    """Tells the rollout source how many micro-batches the run has left once it knows (a
+    resumed run knows its step only here), so it takes no sample the run would not train."""
+
+    def __init__(self, worker: DeliveryWorker) -> None:
+        self.worker = worker
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        left = (args.max_steps - state.global_step) * args.gradient_accumulation_steps
+        self.worker.open_batch.micro_batches_left = max(0, left)
+
+
 class RolltapGRPOTrainer(AsyncGRPOTrainer):
     """`AsyncGRPOTrainer` with delivery acknowledgements and the flush of a partial micro-batch
     (for a rollout worker that is a `DeliveryWorker`), `loss_normalization` ("token": TRL's own
@@ -211,6 +223,7 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
         self.delivery_worker = worker if isinstance(worker, DeliveryWorker) else None
         if self.delivery_worker is not None:
             self.add_callback(_Acknowledge(self, self.delivery_worker))
+            self.add_callback(_RunLength(self.delivery_worker))
 
     def get_train_dataloader(self):
         worker = self.delivery_worker
@@ -260,16 +273,15 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
                                          device)
 
     def _until_stream_ends(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """The epoch's micro-batches, until the rollout stream ends (`--until-empty`): then
-        training stops, as after its last step."""
+        """The epoch's micro-batches, until the rollout stream ends (`StreamEnded` says why):
+        then training stops, as after its last step."""
         while True:
             try:
                 batch = next(batches)
             except StopIteration:
                 return
-            except StreamEnded:
-                print("rolltap bridge: nothing left to deliver (--until-empty): the run ends",
-                      flush=True)
+            except StreamEnded as ended:
+                print(f"rolltap bridge: {ended}: the run ends", flush=True)
                 self.control.should_training_stop = True
                 return
             yield batch

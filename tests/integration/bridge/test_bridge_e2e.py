@@ -644,13 +644,13 @@ async def _deliverable(database_url: str, run: str) -> list:
         await conn.close()
 
 
-def test_a_finite_run_ends_by_itself_and_gives_back_what_it_did_not_train(
+def test_a_finite_run_trains_every_sample_it_took_and_leaves_the_rest(
         untied_model, replicas, training_gateway, database_url, tmp_path):
     """Issue #40's run: 32 one-call chat rollouts in 8 groups, recorded before the bridge
     starts; a bridge with the defaults and only --num-generations 4 --token-budget 256
-    --max-steps 2 ends by itself after its two steps, logs exactly what they trained, gives
-    every other sample back to the database (deliverable to the next run, under no lease), and
-    no waiting line it says contradicts its own numbers."""
+    --max-steps 2 takes only what its two steps can train, trains every sample it took, ends
+    by itself, logs exactly what it trained, leaves every other rollout deliverable to the next
+    run (under no lease), and no waiting line it says contradicts its own numbers."""
     run = uuid.uuid4().hex[:12]
     admin = httpx.Client(base_url=training_gateway.url, timeout=60,
                          headers={"Authorization": f"Bearer {ADMIN_KEY}"})
@@ -670,6 +670,7 @@ def test_a_finite_run_ends_by_itself_and_gives_back_what_it_did_not_train(
     trained = summary["source"]["trained_samples"]
     rollouts, log = asyncio.run(_run_state(database_url, run))
     assert 0 < trained == sum(row["outcome"] == "trained" for row in log), (summary, text[-4000:])
+    assert summary["source"]["samples"] == trained, (summary, text[-4000:])
     # One trace a rollout: the consumed ones are exactly those the two steps trained.
     assert sum(consumed for consumed, _ in rollouts.values()) == trained
     groups = asyncio.run(_deliverable(database_url, run))
