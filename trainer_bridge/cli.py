@@ -261,7 +261,6 @@ def _run(args: argparse.Namespace) -> int:
         DiskWeightSync,
         NcclWeightSync,
         StateCheckpoints,
-        WeightSyncError,
     )
 
     admin_key = config.admin_key or ""  # `_refusal` made sure it is set
@@ -321,21 +320,9 @@ def _run(args: argparse.Namespace) -> int:
           f"{announcer.offset + 1} on {len(announcer.gateways)} gateway(s); "
           f"weights by {config.weight_sync} to {len(config.vllm)} vLLM replica(s)", flush=True)
     started = time.monotonic()
-    code = 0
-    try:
-        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-    except KeyboardInterrupt:
-        print("\nrolltap bridge: interrupted", file=sys.stderr)
-        code = 130
-        _take_back_unsaved(checkpoints.checkpoint_dir, database_url)
-    except WeightSyncError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if code == 0 and trainer.stop.requested:
-        # Stopped at the end of a step, its push and checkpoint written: nothing to take back.
-        print(f"rolltap bridge: stopped after step {trainer.state.global_step}, checkpointed",
-              file=sys.stderr)
-        code = 130
+    code = _train(trainer, config, source, resume_from, checkpoints.checkpoint_dir, database_url)
+    if code == 1:
+        return code
     summary = progress.summary(
         elapsed_s=time.monotonic() - started,
         steps=trainer.state.global_step,
@@ -344,6 +331,38 @@ def _run(args: argparse.Namespace) -> int:
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(progress.format_summary(summary), flush=True)
     return code
+
+
+def _train(trainer, config, source, resume_from: Path | None, checkpoint_dir: Path,
+           database_url: str) -> int:
+    """Trains (its /metrics served meanwhile with --metrics-port); 0 when the run ended, 130
+    when interrupted (steps past the newest checkpoint taken back) or stopped at a step's end,
+    1 when the weights could not be pushed."""
+    from trainer_bridge.metrics import TrainerCollector
+    from trainer_bridge.metrics import serve as serve_metrics
+    from trainer_bridge.weights import WeightSyncError
+
+    metrics = None if config.metrics_port is None else serve_metrics(
+        TrainerCollector(source.delivery_queue, source.stats, lambda: trainer.state.global_step),
+        config.metrics_port)
+    try:
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    except KeyboardInterrupt:
+        print("\nrolltap bridge: interrupted", file=sys.stderr)
+        _take_back_unsaved(checkpoint_dir, database_url)
+        return 130
+    except WeightSyncError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if metrics is not None:
+            metrics.shutdown()
+    if trainer.stop.requested:
+        # Stopped at the end of a step, its push and checkpoint written: nothing to take back.
+        print(f"rolltap bridge: stopped after step {trainer.state.global_step}, checkpointed",
+              file=sys.stderr)
+        return 130
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

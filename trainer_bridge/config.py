@@ -61,6 +61,10 @@ class BridgeConfig:
         "default)", _WHERE, metavar="DIR", type=Path))
     output_dir: Path = field(default=Path("runs/bridge"), metadata=_opt(
         "trainer output, progress.jsonl and summary.json", _WHERE, metavar="DIR", type=Path))
+    metrics_port: int | None = field(default=None, metadata=_opt(
+        "serve the trainer's Prometheus /metrics on 127.0.0.1:PORT (its idle fraction, steps, "
+        "samples queued, taken and trained), e.g. for the viewer's run page (the gateway's "
+        "--run-metrics)", _WHERE, metavar="PORT", type=int))
     checkpoint_dir: Path | None = field(default=None, metadata=_opt(
         "where checkpoints are written (disk sync: for the replicas to load, so the same path "
         "on their machines; nccl sync: to resume from) (default OUTPUT_DIR/weights)", _WHERE,

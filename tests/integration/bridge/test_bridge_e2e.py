@@ -33,6 +33,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from core.store.tokens import ids_from_bytes
+from gateway.viewer.metric_history import series_name
 from stack.serve_model import start_vllm
 from stack.toy_task import ToyTask, run_toy_rollouts
 from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
@@ -540,9 +541,10 @@ def _wait_for_line(log_path, bridge, needle: str, since: int, timeout: float) ->
 
 
 def _finite_bridge(untied_model, replicas, gateway_url: str, database_url: str, run: str,
-                   tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+                   tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
     """A bridge over `run`'s rollouts with the defaults and only --num-generations 4
-    --token-budget 256 --max-steps 2 (and where things are): its process, output dir and log."""
+    --token-budget 256 --max-steps 2 (and where things are, and `extra`): its process, output
+    dir and log."""
     out, log_path = tmp_path / "bridge", tmp_path / "bridge.log"
     command = [
         sys.executable, "-m", "trainer_bridge.cli", "bridge",
@@ -551,11 +553,27 @@ def _finite_bridge(untied_model, replicas, gateway_url: str, database_url: str, 
         "--admin-key", ADMIN_KEY, "--database-url", database_url,
         "--num-generations", "4", "--max-steps", "2", "--token-budget", "256",
         "--weight-sync", "disk", "--threads", "1", "--match", match_arg("run", run),
-        "--output-dir", str(out),
+        "--output-dir", str(out), *extra,
     ]
     with log_path.open("w") as log:
         bridge = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     return bridge, out, log_path
+
+
+def _scrape_while_running(process: subprocess.Popen, url: str, timeout: float) -> list[dict]:
+    """Every /metrics scrape that answered until `process` ended: series name to value."""
+    scrapes, deadline = [], time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            body = httpx.get(url, timeout=5).text
+        except httpx.HTTPError:
+            pass  # not serving yet, or already shut down
+        else:
+            scrapes.append({series_name(s.name, s.labels): s.value
+                            for family in text_string_to_metric_families(body)
+                            for s in family.samples})
+        time.sleep(0.5)
+    return scrapes
 
 
 def test_plain_chat_rollouts_train_and_a_group_of_side_calls_says_why_it_does_not(
@@ -656,15 +674,16 @@ def test_a_finite_run_trains_every_sample_it_took_and_leaves_the_rest(
                          headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     for group in range(8):
         _chat_group(admin, run, f"g{group}")
+    port = free_port()
     bridge, out, log_path = _finite_bridge(untied_model, replicas, training_gateway.url,
-                                           database_url, run, tmp_path)
-    try:
-        code = bridge.wait(timeout=900)
-    except subprocess.TimeoutExpired:
+                                           database_url, run, tmp_path,
+                                           "--metrics-port", str(port))
+    scrapes = _scrape_while_running(bridge, f"http://127.0.0.1:{port}/metrics", timeout=900)
+    if bridge.poll() is None:
         bridge.kill()
         pytest.fail(f"the bridge did not end by itself:\n{log_path.read_text()[-4000:]}")
     text = log_path.read_text()
-    assert code == 0, text[-4000:]
+    assert bridge.returncode == 0, text[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2, summary
     trained = summary["source"]["trained_samples"]
@@ -675,6 +694,15 @@ def test_a_finite_run_trains_every_sample_it_took_and_leaves_the_rest(
     assert sum(consumed for consumed, _ in rollouts.values()) == trained
     groups = asyncio.run(_deliverable(database_url, run))
     assert sum(g.ready for g in groups) == 32 - trained and not any(g.leased for g in groups)
+    # Its /metrics, as scraped while it ran: the trainer's idle fraction, and samples taken
+    # never fewer than trained.
+    assert scrapes, text[-4000:]
+    idle = [s["rolltap_trainer_idle_fraction"] for s in scrapes
+            if "rolltap_trainer_idle_fraction" in s]
+    assert idle and all(0 <= f <= 1 for f in idle), scrapes[-1]
+    for s in scrapes:
+        handed = s['rolltap_trainer_samples_total{what="handed_over"}']
+        assert s['rolltap_trainer_samples_total{what="trained"}'] <= handed <= trained
     for line in text.splitlines():
         held = re.search(r"partial micro-batch: (\d+) samples, (\d+) unique tokens and (\d+) "
                          r"loss terms", line)
