@@ -12,11 +12,14 @@ after it stops).
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -200,8 +203,14 @@ def test_a_directory_without_a_harbor_harness_says_what_to_do(capsys):
 
 @needs_harbor
 def test_oracle_scores_and_infrastructure_failure_is_unscorable(gateway, vllm_server, tmp_path):
+    # Four trials at once, one agent and one verifier slot (issue #42's pools on real trials).
     out, states, trials = rollouts(gateway, tmp_path, EXAMPLES, "oracle", "--model",
-                                   vllm_server.model)
+                                   vllm_server.model, "--agent-slots", "1", "--verify-slots", "1")
+    for phase in ("agent_execution", "verifier"):
+        spans = _phase_spans(trials, phase)
+        assert len(spans) == 3, (phase, spans)  # all but the trial that never got healthy
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), (phase, spans)
+    assert re.search(r"agent 1 slots, 3 taken.*verify 1 slots, 3 taken", out), out
     hello = states["hello-world"]
     assert (hello["status"], hello["reward"]) == ("finished", 1.0)
     assert hello["metrics"]["isolation"] == "bwrap"
@@ -225,6 +234,17 @@ def test_oracle_scores_and_infrastructure_failure_is_unscorable(gateway, vllm_se
     time.sleep(10.5)  # the database-derived gauges are refreshed at most every 10 s
     assert 'rolltap_rollouts_unscorable{cause="sandbox_failed"}' in gateway.admin.get(
         "/metrics").text
+
+
+def _phase_spans(trials: Path, phase: str) -> list[tuple[datetime, datetime]]:
+    """When each trial ran `phase` (Harbor's result.json timing), in start order."""
+    spans = []
+    for result in trials.glob("*/result.json"):
+        timing = json.loads(result.read_text()).get(phase) or {}
+        if timing.get("started_at") and timing.get("finished_at"):
+            spans.append((datetime.fromisoformat(timing["started_at"]),
+                           datetime.fromisoformat(timing["finished_at"])))
+    return sorted(spans)
 
 
 @needs_harbor
