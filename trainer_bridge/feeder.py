@@ -30,7 +30,7 @@ from core.store.db import open_pool
 from core.store.traces import FINISHED_CHANNEL
 from trainer_bridge import deliveries
 from trainer_bridge.faults import crash_point
-from trainer_bridge.handover import DeliveryQueue
+from trainer_bridge.handover import DeliveryQueue, Fit
 from trainer_bridge.narration import Narrator, Waiting, group_account
 from trainer_bridge.outstanding import Outstanding
 from trainer_bridge.release import (
@@ -249,8 +249,12 @@ class Feeder:
     async def _feed(self, pool: asyncpg.Pool) -> float:
         """Release every group that is due while the queue has room; returns how long to wait."""
         open_batch = self.buffer.open_batch
-        if open_batch.taken_all:
+        if open_batch.run_full():
             return math.inf  # this run trains nothing more
+        if open_batch.closing:
+            if not self.buffer.drained():
+                return _ROOM_POLL_S  # the group that did not fit waits for an idle trainer
+            open_batch.closing = False
         if not self._room() or open_batch.waiting_for_trainer():
             return _ROOM_POLL_S
         async with pool.acquire() as conn:
@@ -262,8 +266,8 @@ class Feeder:
                 break
             if not self._room():
                 return _ROOM_POLL_S
-            if open_batch.taken_all:
-                return math.inf
+            if open_batch.run_full() or open_batch.closing:
+                return _ROOM_POLL_S
             if group.leased:
                 continue
             decision = decide(group.ready, group.waited_s, group.released, self.config)
@@ -308,13 +312,14 @@ class Feeder:
                 traces = await deliveries.undelivered_traces(conn, list(advantages))
                 batch = build_group(training, advantages, traces, group_id=group_number(group_key),
                                     config=config, decode=self.decode)
-                if not self.buffer.takes(batch.samples):
-                    # Its samples would be taken and never trained: the group stays for the
-                    # next run, and this one takes nothing more.
+                fit = self.buffer.fit(batch.samples)
+                if fit is Fit.LATER:
+                    # Its samples would be taken and not all trained: given back until the
+                    # trainer holds nothing, the open micro-batch trains first.
                     await deliveries.release(conn, self.owner, ids)
-                    self.buffer.open_batch.taken_all = True
-                    log.info("group %s left for the next run: the steps this one has left "
-                             "(--max-steps) cannot train it too", group_key)
+                    self.buffer.open_batch.closing = True
+                    log.info("group %s waits: the steps left (--max-steps) train it only after "
+                             "what the trainer holds", group_key)
                     return
                 await deliveries.release_group(conn, self.owner, advantages, dropped,
                                                batch.skipped)
@@ -340,6 +345,10 @@ class Feeder:
         self.outstanding.add(batch, claimed_at)
         for sample in batch.samples:
             self.buffer.put_nowait(sample)
+        if fit is Fit.PART:
+            log.info("group %s is bigger than all the steps left (--max-steps): what fits "
+                     "trains, the rest goes back; the run takes nothing more", group_key)
+            self.buffer.open_batch.taken_all = True
         crash_point("after_put")
         self._account(decision, members, dropped, batch)
         self.outstanding.count_consumed(ledgers)

@@ -10,10 +10,14 @@ source has nothing left to deliver, which ends the run.
 
 A run has a last step (--max-steps), and a sample handed over after the last micro-batch is
 taken but never trained. So the trainer tells `OpenBatch` how many micro-batches its run has
-left, the batcher lends it a dry run of its own placement (`micro_batches`), and the feeder
-hands over a group only if `DeliveryQueue.takes` says the rest of the run trains it too. Once
-one does not fit the feeder takes nothing more (`OpenBatch.taken_all`), the open micro-batch
-trains as soon as the queue is empty, and the batcher's iteration ends with the last one.
+left, the batcher lends it a dry run of its own placement (`micro_batches`), and before the
+feeder hands a group over `DeliveryQueue.fit` places it after what the trainer holds and what
+is queued. A group that fits whole is handed over. One that does not is given back while the
+trainer holds anything (`OpenBatch.closing`: the open micro-batch then trains as soon as the
+queue is empty, and the group is looked at again once the trainer holds nothing). A group
+bigger than all that is left of the run is handed over to an idle trainer: what fits trains,
+the rest is given back at the end, and the run takes nothing more (`OpenBatch.taken_all`). The
+batcher's iteration ends with the run's last micro-batch.
 
 The trainer's thread drives all of it: TRL's queue reader calls `DeliveryQueue.get`, which
 raises `FlushDue` or `StreamEnded` instead of waiting on; `FlushingBatcher` (TRL's batcher with
@@ -24,6 +28,7 @@ line) and sets `OpenBatch.source_empty`.
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import time
@@ -43,10 +48,10 @@ class FlushDue(Exception):
 
 
 class StreamEnded(Exception):
-    """Nothing more comes (`until_empty` and the source has nothing left, or the feeder has
-    `taken_all` the run trains), and the trainer holds nothing (so neither does accelerate's
-    dispatcher: it holds a micro-batch only while the one after it is open). The trainer ends
-    the run on it (`RolltapGRPOTrainer.get_batch_samples`); the message says why."""
+    """`until_empty`: the source has nothing left, and the trainer holds nothing (so neither
+    does accelerate's dispatcher: it holds a micro-batch only while the one after it is open).
+    The trainer ends the run on it (`RolltapGRPOTrainer.get_batch_samples`); the message says
+    why."""
 
 
 class Held(msgspec.Struct, frozen=True):
@@ -72,6 +77,14 @@ def placed(sample: RolloutSample) -> Placed:
             "group_id": sample.group_id}
 
 
+class Fit(enum.Enum):
+    """How a run's remaining micro-batches take a group (`OpenBatch.fit`)."""
+
+    WHOLE = "whole"  # every sample trains
+    LATER = "later"  # not after what the trainer holds: give it back, look again when it is idle
+    PART = "part"  # bigger than all the run has left, the trainer idle: what fits trains
+
+
 class OpenBatch:
     """What the trainer holds between micro-batches, when it trains it anyway, and how many
     more the run trains."""
@@ -84,7 +97,10 @@ class OpenBatch:
         # Set by the trainer as its run begins (None before, or without a last step).
         self.micro_batches_left: int | None = None
         self.planner: Planner | None = None  # lent by the batcher
-        # Set by the feeder: the run's remaining micro-batches cannot train another group.
+        # Set by the feeder: the next group does not fit after what the trainer holds, so the
+        # open micro-batch trains once the queue is empty; cleared once the trainer holds none.
+        self.closing = False
+        # Set by the feeder: the run took a group bigger than all it has left; no more comes.
         self.taken_all = False
         self.last_arrival = time.monotonic()
         # Set by the feeder: its last look found nothing deliverable and nothing queued.
@@ -112,8 +128,8 @@ class OpenBatch:
         """Seconds until the open micro-batch trains as it is; None while none can."""
         if not self.flushable():
             return None
-        if self.taken_all:
-            return 0.0  # nothing more comes in this run
+        if self.closing or self.taken_all:
+            return 0.0  # nothing more comes for it
         return max(0.0, self.last_arrival + self.flush_after_s - time.monotonic())
 
     def idle_s(self) -> float:
@@ -125,20 +141,26 @@ class OpenBatch:
             self.micro_batches_left -= 1
         return self.micro_batches_left
 
+    def run_full(self) -> bool:
+        """The run has taken all it trains: its last micro-batch is out, or it took a group
+        bigger than what it had left."""
+        return self.taken_all or self.micro_batches_left == 0
+
     def waiting_for_trainer(self) -> bool:
         """The batcher is built but its run has not said how much it trains: take nothing yet."""
         return self.planner is not None and self.micro_batches_left is None
 
-    def takes(self, queued: Sequence[RolloutSample], group: Sequence[RolloutSample]) -> bool:
-        """Whether the run's remaining micro-batches train `group` after what the trainer holds
-        and what is `queued` before it."""
+    def fit(self, queued: Sequence[RolloutSample], group: Sequence[RolloutSample]) -> Fit:
+        """How the run's remaining micro-batches take `group` after what the trainer holds and
+        what is `queued` before it."""
         left, plan, rows = self.micro_batches_left, self.planner, self.rows
         if left is None or plan is None:
-            return True
+            return Fit.WHOLE
+        held = sum(map(len, rows)) + len(queued)
         # Every micro-batch holds a sample, so this many samples fit in any packing.
-        if sum(map(len, rows)) + len(queued) + len(group) <= left:
-            return True
-        return plan(rows, map(placed, [*queued, *group])) <= left
+        if held + len(group) <= left or plan(rows, map(placed, [*queued, *group])) <= left:
+            return Fit.WHOLE
+        return Fit.PART if held == 0 and left > 0 else Fit.LATER
 
 
 class DeliveryQueue(queue.Queue[RolloutSample]):
@@ -159,11 +181,15 @@ class DeliveryQueue(queue.Queue[RolloutSample]):
         self.idle_s = 0.0
         self.first_get: float | None = None
 
-    def takes(self, group: Sequence[RolloutSample]) -> bool:
-        """`OpenBatch.takes` for `group` after the samples queued now."""
+    def fit(self, group: Sequence[RolloutSample]) -> Fit:
+        """`OpenBatch.fit` for `group` after the samples queued now."""
         with self.mutex:
             queued = list(self.queue)
-        return self.open_batch.takes(queued, group)
+        return self.open_batch.fit(queued, group)
+
+    def drained(self) -> bool:
+        """The trainer holds no sample in its open micro-batch and none is queued."""
+        return not self.open_batch.held.samples and self.empty()
 
     def idle_fraction(self) -> float | None:
         """The share of the trainer's wall time since its first request spent waiting for
@@ -201,13 +227,8 @@ class DeliveryQueue(queue.Queue[RolloutSample]):
         batch = self.open_batch
         if batch.flush_in() == 0.0:
             raise FlushDue
-        if batch.held.samples or not self.empty():
-            return
-        if batch.taken_all:
-            raise StreamEnded("what is left of the run (--max-steps) cannot train the next "
-                              "group: it stays for the next run")
-        if (batch.until_empty and batch.source_empty
-                and batch.idle_s() >= batch.flush_after_s):
+        if (batch.until_empty and batch.source_empty and not batch.held.samples
+                and self.empty() and batch.idle_s() >= batch.flush_after_s):
             raise StreamEnded("nothing left to deliver (--until-empty)")
 
 
@@ -247,9 +268,9 @@ class FlushingBatcher(TokenBudgetBatcher):
                         # until it has the next, hands it over only once the iteration ends.
                         return
         except FlushDue:
-            if self.open_batch.taken_all:
-                log.info("training the run's last micro-batch (%d samples)",
-                         self.open_batch.held.samples)
+            if self.open_batch.closing:
+                log.info("training a micro-batch of %d samples: the next group fits only after "
+                         "it", self.open_batch.held.samples)
             else:
                 log.info("training a partial micro-batch of %d samples: no new sample for "
                          "%.0f s", self.open_batch.held.samples, self.open_batch.flush_after_s)

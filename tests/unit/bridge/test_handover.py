@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer_bridge.handover import FlushingBatcher, OpenBatch, Placed
+from trainer_bridge.handover import Fit, FlushingBatcher, OpenBatch, Placed
 
 BUDGET = 64
 
@@ -69,25 +69,49 @@ def test_the_dry_run_goes_on_from_the_open_rows(samples, rows, cut):
     assert done + rest == batcher([], rows, OpenBatch(60)).micro_batches([], samples)
 
 
-@given(sample_streams(), st.integers(1, 3), st.integers(0, 6))
-def test_a_finite_run_takes_only_groups_its_micro_batches_train(samples, rows, left):
-    """Groups offered in turn, as the feeder offers them: those taken before the first that
-    does not fit all train within `left` micro-batches."""
-    open_batch = OpenBatch(60)
-    batcher([], rows, open_batch)  # lends its dry run
-    open_batch.micro_batches_left = left
+def _groups(samples: list[Placed]) -> list[list[Placed]]:
     groups: dict[int, list[Placed]] = defaultdict(list)
     for sample in samples:
         groups[sample["group_id"]].append(sample)
+    return list(groups.values())
+
+
+def _fit(open_batch: OpenBatch, queued: list[Placed], group: list[Placed]) -> Fit:
+    return open_batch.fit(cast(Any, [_Sample(s) for s in queued]),
+                          cast(Any, [_Sample(s) for s in group]))
+
+
+@given(sample_streams(), st.integers(1, 3), st.integers(0, 6))
+def test_a_finite_run_takes_whole_only_groups_its_micro_batches_train(samples, rows, left):
+    """Groups offered in turn, as the feeder offers them: those that fit whole, taken before
+    the first that does not, all train within `left` micro-batches."""
+    open_batch = OpenBatch(60)
+    batcher([], rows, open_batch)  # lends its dry run
+    open_batch.micro_batches_left = left
     taken: list[Placed] = []
-    for group in groups.values():
-        queued = [_Sample(s) for s in taken]
-        if not open_batch.takes(cast(Any, queued), cast(Any, [_Sample(s) for s in group])):
+    for group in _groups(samples):
+        if _fit(open_batch, taken, group) is not Fit.WHOLE:
             break
         taken += group
     made = iterate(taken, rows, OpenBatch(60))
     assert len(made) <= left
     assert sum(map(len, made)) == sum(len(s["input_ids"]) <= BUDGET for s in taken)
+
+
+@given(sample_streams(), st.integers(1, 3), st.integers(0, 3))
+def test_a_group_that_does_not_fit_waits_unless_the_trainer_is_idle(samples, rows, left):
+    """A group that does not fit whole waits while anything is held or queued before it; to an
+    idle trainer with micro-batches left it goes in part, and needs more than are left."""
+    open_batch = OpenBatch(60)
+    planner = batcher([], rows, open_batch).micro_batches
+    open_batch.micro_batches_left = left
+    groups = _groups(samples)
+    for before, group in zip([[], *groups], groups, strict=False):
+        fit = _fit(open_batch, before, group)
+        needed = planner([], [*before, *group])
+        assert (fit is Fit.WHOLE) == (needed <= left)
+        if fit is not Fit.WHOLE:
+            assert fit is (Fit.PART if not before and left > 0 else Fit.LATER)
 
 
 @given(sample_streams(), st.integers(1, 3), st.integers(1, 4))
