@@ -19,8 +19,9 @@ synchronous GRPO corrects for vLLM's sampling: a mismatch between engine and tra
 re-weights a token instead of clipping it away.
 """
 
+from collections import defaultdict, deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import torch
@@ -84,13 +85,37 @@ class RolloutWeightCollator:
         return batch
 
 
+class HeldMetrics:
+    """TRL's collator's metric sink (rewards, packing), each micro-batch's held from its
+    collation until a step trains it. Accelerate's dispatcher collates one micro-batch ahead,
+    so written straight into the trainer's metrics they would be logged with the step before
+    the one that trains them, and a run's last step would log none."""
+
+    def __init__(self) -> None:
+        self.sink: defaultdict[str, list] = defaultdict(list)  # what the collator appends to
+        self._held: deque[dict[str, list]] = deque()
+
+    def seal(self) -> None:
+        """The micro-batch just collated is complete: hold its metrics."""
+        self._held.append(dict(self.sink))
+        self.sink.clear()
+
+    def release(self, into: dict[str, list]) -> None:
+        """A step trains the oldest micro-batch held: its metrics go `into` the step's."""
+        if self._held:
+            for key, values in self._held.popleft().items():
+                into[key].extend(values)
+
+
 @dataclass
 class DeliveryCollator:
     """Moves the rollout source's sample numbers out of the samples' metrics (where TRL would log
     them) into `delivery_ids`: every number of the micro-batch, repeated per rank like TRL's own
-    batch-wide values, so the main process sees them all whatever row it trains."""
+    batch-wide values, so the main process sees them all whatever row it trains. With `held`,
+    the micro-batch's metrics wait for the step that trains it."""
 
     inner: Any
+    held: HeldMetrics | None = field(default=None)
 
     def __call__(self, examples: list[Any]) -> dict[str, Any]:
         (rows,) = examples
@@ -101,6 +126,8 @@ class DeliveryCollator:
             if (number := sample["metrics"].pop(DELIVERY_KEY, None)) is not None
         ]
         batch = self.inner(examples)
+        if self.held is not None:
+            self.held.seal()
         if numbers:
             batch["delivery_ids"] = torch.tensor([numbers] * len(rows), dtype=torch.int64)
         return batch
@@ -215,6 +242,7 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
         self.importance_sampling = importance_sampling
         self.tis_cap = tis_cap
         self.step_deliveries: list[int] = []  # sample numbers the current step has trained on
+        self.held_metrics = HeldMetrics()
         super().__init__(*args, **kwargs)
         # After TRL's push callback, so a stop held for a step waits for its push.
         self.stop = StepEndStop()
@@ -228,9 +256,10 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
     def get_train_dataloader(self):
         worker = self.delivery_worker
         args = cast(AsyncGRPOConfig, self.args)
+        held = None
         if (worker is not None and self.accelerator.is_main_process
                 and (args.token_budget or 0) > 0):
-            loader = self._flushing_loader(worker, args)
+            loader, held = self._flushing_loader(worker, args), self.held_metrics
         else:
             loader = super().get_train_dataloader()
         # TRL builds its collator inside this method. Its config forces dispatch_batches, so
@@ -238,7 +267,7 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
         base = cast(Any, loader).base_dataloader
         if self.loss_normalization == "rollout":
             base.collate_fn = RolloutWeightCollator(base.collate_fn)
-        base.collate_fn = DeliveryCollator(base.collate_fn)
+        base.collate_fn = DeliveryCollator(base.collate_fn, held)
         return loader
 
     def _flushing_loader(self, worker: DeliveryWorker, args: AsyncGRPOConfig) -> DataLoader[Any]:
@@ -264,7 +293,7 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
         tokenizer = cast(PreTrainedTokenizerBase, self.processing_class)
         collator = DataCollatorForRollout(
             cast(int, tokenizer.pad_token_id), processes, groups_trained=self._trained_groups,
-            metrics=metrics, token_budget=budget)
+            metrics=self.held_metrics.sink, token_budget=budget)
         return self.accelerator.prepare(
             DataLoader(batcher, batch_size=1, collate_fn=collator, num_workers=0))
 
@@ -287,6 +316,7 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
             yield batch
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        self.held_metrics.release(self._metrics["train"])
         numbers = inputs.pop("delivery_ids", None)
         if numbers is not None and self.accelerator.is_main_process:
             self.step_deliveries.extend(numbers[0].tolist())

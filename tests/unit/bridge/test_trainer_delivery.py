@@ -97,6 +97,11 @@ def test_32_samples_in_8_groups_train_in_2_steps_and_the_run_ends(tiny_model, tm
     assert [step for step, _ in worker.acknowledged] == [1, 2]
     assert worker.trained() == list(range(32))
     assert transfer.calls[-1] == "destroy"
+    # Each step logs the metrics of the micro-batch it trained (one row: its samples), the
+    # last one included, though the dispatcher collated each one a step ahead.
+    logged = [log for log in trainer.state.log_history if "loss" in log]
+    assert [log["batch/samples_per_row"] for log in logged] == [
+        len(keys) for _, keys in worker.acknowledged]
 
 
 def test_until_empty_trains_what_it_took_and_ends_the_run(tiny_model, tmp_path):
