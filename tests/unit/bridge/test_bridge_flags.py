@@ -31,6 +31,10 @@ FLAGS = [
     ('--output-dir', Path('runs/bridge'), False, 'DIR', None,
      'trainer output, progress.jsonl and summary.json (env ROLLTAP_OUTPUT_DIR; default '
      'runs/bridge)'),
+    ('--metrics-port', None, False, 'PORT', None,
+     "serve the trainer's Prometheus /metrics on 127.0.0.1:PORT (its idle fraction, steps, "
+     "samples queued, taken and trained), e.g. for the viewer's run page (the gateway's "
+     '--run-metrics) (env ROLLTAP_METRICS_PORT)'),
     ('--checkpoint-dir', None, False, 'DIR', None,
      'where checkpoints are written (disk sync: for the replicas to load, so the same path on '
      'their machines; nccl sync: to resume from) (default OUTPUT_DIR/weights) (env '
