@@ -27,6 +27,9 @@ PROMPT = [
 ]
 GREEDY_TOKENS = 48
 
+# The real model's build and a vLLM of its own, about 2 minutes: `make test-slow`, run by CI.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def smol_dir():

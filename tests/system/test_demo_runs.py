@@ -108,6 +108,7 @@ def test_the_demo_run_three_times_in_one_directory_trains_every_time(demo_dir):
         assert "demo finished" in proc.stdout
 
 
+@pytest.mark.slow  # a demo started and ended four ways, 2 minutes: `make test-slow`, run by CI
 @pytest.mark.parametrize("how,stage", [
     ("sigterm", "2/7"),
     ("sigint", "4/7"),

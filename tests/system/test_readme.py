@@ -54,6 +54,7 @@ def top_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.slow  # the README's whole CPU sequence: `make test-slow`, run by CI
 def test_readme_cpu_commands_work_in_order(top_dir):
     tmp_path = top_dir
     vllm_port, gw_port = free_port(), free_port()

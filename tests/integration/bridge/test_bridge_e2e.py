@@ -186,6 +186,7 @@ def _mean(values) -> float:
     return float(np.mean(list(values)))
 
 
+@pytest.mark.slow  # about 3 minutes of training: `make test-slow`, run by CI
 def test_toy_task_training_raises_the_reward(untied_model, replicas, training_gateway,
                                              database_url, tmp_path):
     run = uuid.uuid4().hex[:12]
@@ -338,6 +339,7 @@ def _crash_runs(command, env, tmp_path, database_url, run, trained_per_run, gate
         trained_per_run.append((point, sum(d["outcome"] == "trained" for d in delivered)))
 
 
+@pytest.mark.slow  # four bridges killed and resumed, 2 minutes: `make test-slow`, run by CI
 def test_a_bridge_killed_at_every_seam_trains_every_rollout_exactly_once(
     untied_model, replicas, training_gateway, database_url, tmp_path
 ):
