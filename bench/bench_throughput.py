@@ -56,17 +56,21 @@ OVERSAMPLE = 2
 STEPS = int(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_STEPS", "8"))
 LATENCY_MEDIAN_S = float(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_LATENCY", "2.0"))
 LATENCY_SIGMA = 1.0
+# Tokens each call samples: the trainer's work per sample (the stand-in's cost is the same).
+COMPLETION_TOKENS = int(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_COMPLETION", "16"))
 TASKS = 16
 VOCAB = 2048  # the tiny model's
 
 # Three calls, each carrying the conversation so far; passes (writes out.txt) half the time.
-AGENT = '''
+AGENT = f'''COMPLETION_TOKENS = {COMPLETION_TOKENS}
+''' + '''
 import json, pathlib, random, urllib.request
 
 def agent(*, prompt, base_url, api_key, model, workdir):
     messages = [{"role": "user", "content": prompt}]
     for turn in range(3):
-        body = json.dumps({"model": model, "messages": messages, "max_tokens": 16}).encode()
+        body = json.dumps({"model": model, "messages": messages,
+                           "max_tokens": COMPLETION_TOKENS}).encode()
         req = urllib.request.Request(base_url + "/chat/completions", data=body, headers={
             "Authorization": "Bearer " + api_key, "Content-Type": "application/json"})
         reply = json.loads(urllib.request.urlopen(req, timeout=600).read())
@@ -121,7 +125,8 @@ def _bridge(model: Path, engine: str, gateway: str, dsn: str, run_id: str,
         sys.executable, "-m", "trainer_bridge.cli", "bridge", "--model", str(model),
         "--vllm", engine, "--gateway", gateway, "--admin-key", ADMIN_KEY, "--database-url", dsn,
         "--num-generations", str(GROUP), "--max-steps", str(STEPS), "--threads", "1",
-        "--token-budget", "1024", "--queue-size", "32", "--group-deadline", "120",
+        "--token-budget", str(max(1024, 8 * COMPLETION_TOKENS)), "--queue-size", "32",
+        "--group-deadline", "120",
         "--match", match_arg("run_id", run_id), "--output-dir", str(out),
         "--keep-checkpoints", "1",
     ]
@@ -201,7 +206,7 @@ def run(print_fn=print) -> list[dict]:
     engine_url = f"http://127.0.0.1:{port}"
     engine = standin.start(port, argv=[
         "-m", "bench.standin", "--port", str(port), "--prompt-tokens", "64",
-        "--completion-tokens", "16", "--template", "--vocab", str(VOCAB),
+        "--completion-tokens", str(COMPLETION_TOKENS), "--template", "--vocab", str(VOCAB),
         "--latency-median", str(LATENCY_MEDIAN_S), "--latency-sigma", str(LATENCY_SIGMA)])
     gateway = None
     rows: list[dict] = []
@@ -217,7 +222,8 @@ def run(print_fn=print) -> list[dict]:
                               pythonpath=(str(agents),))
             print_fn(f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; G={GROUP}, "
                      f"{AGENT_SLOTS} agent slots, {STEPS} steps per setup, engine latency "
-                     f"lognormal (median {LATENCY_MEDIAN_S} s, sigma {LATENCY_SIGMA})")
+                     f"lognormal (median {LATENCY_MEDIAN_S} s, sigma {LATENCY_SIGMA}), "
+                     f"{COMPLETION_TOKENS} tokens a call")
             for setup in SETUPS:
                 rows.append(_measure(setup, model, engine_url, gateway.url, dsn, harness, work,
                                      print_fn))

@@ -115,10 +115,11 @@ class Replies:
 
 class Synthetic(Replies):
     """Replies for a context of `prompt_tokens` and `completion_tokens` sampled ones, cut from
-    the recorded ones. Each call's prompt ends in `fresh_tokens` new ids (the harness's new
-    turn), so the gateway stores a delta and its base search compares real prefixes. The prompt
-    ids are echoed the way vLLM does with `return_token_ids`: whole in the response, or in the
-    first chunk of a stream; a request that fixes its prompt (`kv_transfer_params`
+    the recorded ones (repeated past their length). Each call's prompt ends in `fresh_tokens`
+    new ids (the harness's new turn), so the gateway stores a delta and its base search
+    compares real prefixes. The prompt ids are echoed the way vLLM does with
+    `return_token_ids`: whole in the response, or in the first chunk of a stream; a request
+    that fixes its prompt (`kv_transfer_params`
     `prompt_token_ids`) gets exactly those back. A stream has the request's `max_tokens`
     chunks if it names any (the recorded ones over again past them), so one chunk's cost can
     be told from a whole call's.
@@ -145,9 +146,11 @@ class Synthetic(Replies):
         self._completion_tokens = n
         whole = msgspec.json.decode((data_dir / WHOLE.name).read_bytes())
         choice = whole["choices"][0]
-        content = choice["logprobs"]["content"][:n]
+        # The recorded reply over again past its length, as a stream's chunks are.
+        recorded, ids = choice["logprobs"]["content"], choice["token_ids"]
+        content = [recorded[i % len(recorded)] for i in range(n)]
         choice["logprobs"]["content"] = content
-        choice["token_ids"] = choice["token_ids"][:n]
+        choice["token_ids"] = [ids[i % len(ids)] for i in range(n)]
         choice["message"]["content"] = "".join(e["token"] for e in content)
         whole.pop("prompt_token_ids")
         self._whole = whole
