@@ -4,7 +4,9 @@ The Ray task runs the same LocalBackend on whichever node Ray picks; request and
 plain records (the task's files travel inside the request, so nodes need no shared disk). The
 gateway URLs in the request must be reachable from the nodes. The admin key is never part of a
 request. Cancelling `run` cancels the Ray task, which interrupts the worker's event loop and so
-kills the sandbox's processes like a local cancellation does.
+kills the sandbox's processes like a local cancellation does. Ray delivers that interrupt when
+it can; a task still running `FORCE_AFTER_S` later is cancelled by force, which kills its
+worker and so, by bwrap's --die-with-parent, the sandbox.
 
 Placement: tasks are SPREAD over the cluster's nodes (Ray's default packs a node before using
 the next), and a sandbox may reserve custom resources besides CPUs, so each node's own count
@@ -29,6 +31,8 @@ import msgspec
 
 from sandbox.backends.base import SandboxRequest, SandboxResult
 from sandbox.backends.local import LocalBackend
+
+FORCE_AFTER_S = 20.0
 
 
 def ray_resource(spec: str) -> tuple[str, float]:
@@ -78,6 +82,7 @@ class RayBackend:
             scheduling_strategy="SPREAD",
         )(run_in_worker)
         self._local_options = local_options
+        self._forcing: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
         """Nothing outlives its sandbox here (the Ray session is the process's)."""
@@ -88,7 +93,16 @@ class RayBackend:
             return await ref
         except asyncio.CancelledError:
             self._ray.cancel(ref)
+            forcing = asyncio.get_running_loop().create_task(self._force_cancel(ref))
+            self._forcing.add(forcing)
+            forcing.add_done_callback(self._forcing.discard)
             raise
+
+    async def _force_cancel(self, ref: Any) -> None:
+        """Cancels `ref` by force if the polite cancel has not ended it in `FORCE_AFTER_S`."""
+        done, _ = await asyncio.to_thread(self._ray.wait, [ref], timeout=FORCE_AFTER_S)
+        if not done:
+            self._ray.cancel(ref, force=True)
 
     def close(self) -> None:
         if self._owns_ray:
