@@ -95,7 +95,7 @@ def test_client_disconnect_mid_stream_is_recorded_as_aborted(gateway, vllm_serve
         # ignore_eos: the random tiny model may sample its end of text within the first few
         # tokens, and a stream that ended before the client left is rightly recorded ok. So
         # many tokens that a loaded machine's client leaves before the engine is done.
-        json={"model": vllm_server.model, "max_tokens": 20000, "stream": True, "ignore_eos": True,
+        json={"model": vllm_server.model, "max_tokens": 8000, "stream": True, "ignore_eos": True,
               "messages": [{"role": "user", "content": "Write a long story."}]},
     ) as r:
         for n, _line in enumerate(r.iter_lines()):
@@ -108,7 +108,7 @@ def test_client_disconnect_mid_stream_is_recorded_as_aborted(gateway, vllm_serve
         threading.Event().wait(0.1)
     [call] = calls
     assert call["status"] == "aborted"
-    assert 0 < len(call["completion_ids"]) < 20000
+    assert 0 < len(call["completion_ids"]) < 8000
     assert len(call["logprobs"]) == len(call["completion_ids"])
 
 

@@ -22,7 +22,8 @@ from trainer_bridge import deliveries
 
 # Members take tickets in a shared directory (the sandboxes are unconfined here, so they can):
 # the first `keep` answer at once, once every straggler is inside its engine call; a straggler
-# asks for a reply far longer than the test (min_tokens) without streaming, so only the
+# asks for a reply far longer than the test (min_tokens, near the tiny vLLM's context: a fast
+# engine must not finish it first) without streaming, so only the
 # gateway's abort can end that call early.
 AGENT = '''
 import json, os, pathlib, time
@@ -46,8 +47,8 @@ def agent(*, prompt, base_url, api_key, model, workdir):
     messages = [{"role": "user", "content": "hello"}]
     if n >= spec["keep"]:
         (d / f"calling-{n}").write_text("")
-        client.chat.completions.create(model=model, messages=messages, max_tokens=20000,
-                                       extra_body={"min_tokens": 20000})
+        client.chat.completions.create(model=model, messages=messages, max_tokens=32000,
+                                       extra_body={"min_tokens": 32000})
         time.sleep(600)
     client.chat.completions.create(model=model, messages=messages, max_tokens=4)
     deadline = time.monotonic() + 300
