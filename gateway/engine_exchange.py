@@ -353,11 +353,12 @@ class ReplicaExchange:
                     batch = await clock.wait("stream", anext(batches))
                 except StopAsyncIteration:
                     return None
-                if transport is not None and transport.is_closing():
-                    # The client left. A write would say so, but chunks whose text is empty
-                    # write nothing, and the engine would generate on for no one.
-                    raise ConnectionResetError("the client closed its connection")
                 done, failure = await self._relay_batch(batch, reading, relay, clock)
+                if not done and transport is not None and transport.is_closing():
+                    # The client left (the batch is captured all the same). A write would say
+                    # so, but chunks whose text is empty write nothing, and the engine would
+                    # generate on for no one.
+                    raise ConnectionResetError("the client closed its connection")
                 if failure is None and transport is not None and (
                     transport.get_write_buffer_size() > UNSENT_LIMIT
                 ):
