@@ -21,7 +21,7 @@ import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from trainer_bridge.release import Entry, GroupBatch, Pending, mask_stale
-from trainer_bridge.worker import DELIVERY_KEY
+from trainer_bridge.worker import DELIVERY_KEY, VERSIONS_KEY
 
 Metric = dict[str, float]
 
@@ -96,6 +96,7 @@ class Outstanding:
             metrics["rollout/stale_tokens_total"] = float(out.stale)
         # The newest trained token: TRL then drops no sample that still has a fresh token.
         sample.model_version = int(out.versions[keep].max())
+        sample.metrics[VERSIONS_KEY] = out.versions  # type: ignore[assignment]  # see VERSIONS_KEY
         return sample, metrics
 
     def rollouts_of(self, keys: Iterable[int]) -> list[UUID]:

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+import numpy as np
 import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader
@@ -44,7 +45,7 @@ from trainer_bridge.faults import crash_point
 from trainer_bridge.handover import FlushingBatcher, StreamEnded
 from trainer_bridge.samples import ROLLOUT_TOKENS_METRIC
 from trainer_bridge.stopping import StepEndStop
-from trainer_bridge.worker import DELIVERY_KEY, DeliveryWorker
+from trainer_bridge.worker import DELIVERY_KEY, VERSIONS_KEY, DeliveryWorker
 
 LossNormalization = Literal["token", "rollout"]
 ImportanceSampling = Literal["none", "tis"]
@@ -133,6 +134,42 @@ class DeliveryCollator:
         return batch
 
 
+def loss_term_versions(samples: list[dict[str, Any]], versions: list[np.ndarray]) -> np.ndarray:
+    """The policy version of each of a row's loss terms, in the order TRL's packer lays them
+    out (`TreeRow.pack`: sample by sample, each trained position after the first)."""
+    parts = [np.asarray(v, dtype=np.int64)[1:][np.asarray(s["completion_mask"])[1:] != 0]
+             for s, v in zip(samples, versions, strict=True)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class VersionCollator:
+    """Moves each sample's per-token policy versions out of its metrics (where TRL would log
+    them) into `token_version`, one per loss term and shaped like `token_index` (-1 on its
+    padding), so the agreement metric can tell the tokens the trainer's current weights sampled.
+    A micro-batch with a sample that carries no versions gets no `token_version`."""
+
+    inner: Any
+
+    def __call__(self, examples: list[Any]) -> dict[str, Any]:
+        (rows,) = examples
+        versions = [[sample["metrics"].pop(VERSIONS_KEY, None) for sample in row.samples]
+                    for row in rows]
+        batch = self.inner(examples)
+        if any(v is None for row in versions for v in row):
+            return batch
+        terms = batch["token_index"] >= 0
+        token_version = torch.full(terms.shape, -1, dtype=torch.int64)
+        for r, row in enumerate(rows):
+            per_term = loss_term_versions(row.samples, versions[r])
+            if per_term.size != int(terms[r].sum()):
+                raise ValueError(f"{per_term.size} token versions for {int(terms[r].sum())} loss "
+                                 "terms: TRL's packer no longer lays terms out sample by sample")
+            token_version[r, : per_term.size] = torch.from_numpy(per_term)
+        batch["token_version"] = token_version
+        return batch
+
+
 def tis_weights(trainer_logprobs: torch.Tensor, recorded_logprobs: torch.Tensor, cap: float):
     """Truncated importance weights, per token: `min(cap, exp(trainer - recorded))`."""
     return torch.exp(trainer_logprobs - recorded_logprobs).clamp(max=cap)
@@ -172,20 +209,35 @@ class _Agreement:
     """The policy model as TRL's `compute_loss` calls it, unchanged, recording how far the
     trainer's log-probs of the trained tokens are from the sampler's recorded ones, before this
     step's update: the mean of exp|lp - recorded| (a rate, so the step's value is over all its
-    tokens) and its worst token, NeMo RL's sampler/trainer agreement (1.0 = identical)."""
+    tokens) and its worst token, NeMo RL's sampler/trainer agreement (1.0 = identical).
 
-    def __init__(self, model, token_index, recorded, metrics) -> None:
+    Over all trained tokens (`agreement/exp_abs_dlogp`) the value also holds the policy's
+    movement since a stale token was sampled. With per-token `versions`, it is also taken over
+    the tokens sampled by the weights the trainer holds now (`agreement/same_version_*`): the
+    engine's and the trainer's numerics alone, the comparison NeMo RL's 1.05 is meant for."""
+
+    def __init__(self, model, token_index, recorded, metrics, versions=None,
+                 current: int = 0) -> None:
         self.model, self.token_index, self.recorded = model, token_index, recorded
-        self.metrics = metrics
+        self.metrics, self.versions, self.current = metrics, versions, current
 
     def __call__(self, **kwargs):
         outputs = self.model(**kwargs)
         lp = outputs.log_probs.detach().flatten()[self.token_index]
         if lp.numel():
             gap = torch.exp((lp - self.recorded).abs())
-            self.metrics["agreement/exp_abs_dlogp"].append((gap.sum().item(), float(gap.numel())))
-            self.metrics["agreement/exp_abs_dlogp_max"].append(gap.max().item())
+            self._record("agreement/exp_abs_dlogp", gap)
+            if self.versions is not None:
+                same = self.versions == self.current
+                self.metrics["agreement/same_version_frac"].append(
+                    (same.sum().item(), float(same.numel())))
+                if same.any():
+                    self._record("agreement/same_version_exp_abs_dlogp", gap[same])
         return outputs
+
+    def _record(self, name: str, gap: torch.Tensor) -> None:
+        self.metrics[name].append((gap.sum().item(), float(gap.numel())))
+        self.metrics[f"{name}_max"].append(gap.max().item())
 
 
 class _Acknowledge(TrainerCallback):
@@ -267,7 +319,7 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
         base = cast(Any, loader).base_dataloader
         if self.loss_normalization == "rollout":
             base.collate_fn = RolloutWeightCollator(base.collate_fn)
-        base.collate_fn = DeliveryCollator(base.collate_fn, held)
+        base.collate_fn = VersionCollator(DeliveryCollator(base.collate_fn, held))
         return loader
 
     def _flushing_loader(self, worker: DeliveryWorker, args: AsyncGRPOConfig) -> DataLoader[Any]:
@@ -338,8 +390,11 @@ class RolltapGRPOTrainer(AsyncGRPOTrainer):
             scale = inputs["loss_weight"] * inputs["global_n_tokens"][0]
             inputs = {**inputs, "advantages": inputs["advantages"] * scale}
         selected = inputs["token_index"] >= 0
+        versions = inputs.get("token_version")
         model = cast(Any, _Agreement)(model, inputs["token_index"][selected],
-                                      inputs["old_log_probs"][selected], self._metrics["train"])
+                                      inputs["old_log_probs"][selected], self._metrics["train"],
+                                      None if versions is None else versions[selected],
+                                      self.model_version)
         if self.importance_sampling == "tis":
             model = cast(Any, _TruncatedIS)(
                 model,

@@ -21,6 +21,10 @@ from trainer_bridge.handover import OpenBatch
 # The source's number for a sample, in `RolloutSample.metrics` (the one free-form field that
 # reaches TRL's collator); the trainer's collator takes it out before TRL logs the metrics.
 DELIVERY_KEY = "rolltap/delivery"
+# Each token's policy version (in the trainer's count, -1 on context), the same way: the
+# collator lines them up with TRL's loss terms so that sampler/trainer agreement can be taken
+# over the tokens the trainer's current weights sampled.
+VERSIONS_KEY = "rolltap/versions"
 
 
 @runtime_checkable

@@ -99,9 +99,13 @@ def segment(servers: Servers, settings: TrainSettings, tasks_file: Path, n_tasks
             entry = json.loads(line)
             by_step[entry["step"]] = {**entry, "bridge_restarts": restarts}
             m = entry.get("metrics", {})
+            # Agreement over the tokens the trainer's current weights sampled (NeMo RL's 1.05
+            # applies to these), and over all trained tokens, stale ones included.
             log(f"   step {entry['step']:>3}/{until}  reward {_num(entry['reward'])}  "
-                f"agreement {_num(m.get('agreement/exp_abs_dlogp'), '.4f')} "
-                f"(max {_num(m.get('agreement/exp_abs_dlogp_max'), '.3f')})  "
+                f"agreement {_num(m.get('agreement/same_version_exp_abs_dlogp'), '.4f')} "
+                f"(max {_num(m.get('agreement/same_version_exp_abs_dlogp_max'), '.3f')}, "
+                f"{_num(m.get('agreement/same_version_frac'), '.0%')} of tokens), all tokens "
+                f"{_num(m.get('agreement/exp_abs_dlogp'), '.4f')}  "
                 f"{time.monotonic() - started:6.0f} s")
         shown = len(lines)
         if bridge.poll() is not None:

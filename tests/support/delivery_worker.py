@@ -13,7 +13,7 @@ import numpy as np
 from tests.support.sequences import Seq
 from trainer_bridge.handover import DeliveryQueue, OpenBatch
 from trainer_bridge.samples import rollout_samples
-from trainer_bridge.worker import DELIVERY_KEY
+from trainer_bridge.worker import DELIVERY_KEY, VERSIONS_KEY
 
 
 def synthetic_samples(groups: int, size: int, *, prompt: int = 12, completion: int = 8,
@@ -50,6 +50,8 @@ class ListDeliveryWorker:
         self.running = True
         for number, sample in enumerate(self.samples):
             sample.metrics[DELIVERY_KEY] = float(number)
+            # As the source's last look gives them: every trained token sampled at version 1.
+            sample.metrics[VERSIONS_KEY] = np.where(sample.completion_mask, 1, -1)
             self.rollout_buffer.put_nowait(sample)
         self.open_batch.source_empty = True
 

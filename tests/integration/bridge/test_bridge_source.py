@@ -30,7 +30,7 @@ from tests.support.sequences import Seq
 from trainer_bridge import deliveries
 from trainer_bridge.release import SourceConfig, group_number
 from trainer_bridge.source import RolloutSource
-from trainer_bridge.worker import DELIVERY_KEY
+from trainer_bridge.worker import DELIVERY_KEY, VERSIONS_KEY
 
 # -- leases on Postgres (rows written directly: these tests are about the lease logic) -------
 
@@ -327,6 +327,8 @@ async def test_a_rollout_spanning_many_syncs_trains_its_fresh_tokens(lease_pool,
     np.testing.assert_array_equal(trained[3:], versions >= 8)
     assert not trained[:3].any() and not metrics["sample/dropped_stale_total"]
     assert np.all(taken["old_log_probs"][3:][versions < 8] == 0)
+    # Each token's version rides to the collator (the agreement over the trainer's own version).
+    np.testing.assert_array_equal(taken["metrics"][VERSIONS_KEY][3:], versions)
     assert source.stats["stale_tokens"] == 7 and source.stats["trained_samples"] == 1
     async with lease_pool.acquire() as conn:
         assert await _delivery_log(conn, match) == Counter({(rid, 0, "trained"): 1})

@@ -102,6 +102,12 @@ def test_32_samples_in_8_groups_train_in_2_steps_and_the_run_ends(tiny_model, tm
     logged = [log for log in trainer.state.log_history if "loss" in log]
     assert [log["batch/samples_per_row"] for log in logged] == [
         len(keys) for _, keys in worker.acknowledged]
+    # Every token was sampled at version 1, the weights of step 1 (after the cold sync): step 1
+    # compares like with like, step 2 (version 2) has no token of its own version.
+    assert [log["agreement/same_version_frac"] for log in logged] == [1.0, 0.0]
+    assert 1.0 <= logged[0]["agreement/same_version_exp_abs_dlogp"] == logged[0][
+        "agreement/exp_abs_dlogp"]
+    assert logged[1].get("agreement/same_version_exp_abs_dlogp") is None
 
 
 def test_until_empty_trains_what_it_took_and_ends_the_run(tiny_model, tmp_path):
