@@ -50,9 +50,9 @@ class Config(msgspec.Struct, frozen=True):
     steps: int = 20
     learning_rate: float = 2e-5
     max_staleness: int = 2
-    # Unique tokens per micro-batch (4 per step). Measured in the positive control: at 800 a
-    # micro-batch held 4.8 samples (680 tokens, the shared prompt counted once), a step 17
-    # samples; 1600 makes a step about 32 samples, 4 groups of 8.
+    # Unique tokens per micro-batch (4 per step), the shared prompt counted once. Measured in
+    # the positive control: at 800 a step took 17 samples; at 1600 (replies near the length
+    # target, about 100 tokens) 54-57 samples in 9 groups, at least the 4 groups of 8 wanted.
     token_budget: int = 1600
     state_every: int = 5  # resumable checkpoints (optimizer state): must divide steps // 2
     concurrency: int = 8  # sandboxes of the training runner

@@ -1,29 +1,31 @@
 """The trace viewer at /ui, driven by headless Chromium (Debian's `chromium` and
 `chromium-driver`, through Selenium) against a gateway holding rollouts recorded from the real
 tiny vLLM: login, filters, a rollout page whose token colours match /traces, a recorded
-`<script>` shown as text, and a rollout key refused everywhere under /ui."""
+`<script>` shown as text, a rollout key refused everywhere under /ui, and the run page drawing
+a live run (a real runner and bridge, their /metrics read through the gateway's --run-metrics)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import sys
-import threading
 import uuid
+from pathlib import Path
 
-import asyncpg
 import httpx
 import openai
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from core.store.db import init_connection
+from stack.experiment.tasks import generate, length_variant, write_tasks
+from stack.rollouts import finished, rollouts_command
+from stack.serve_model import start_vllm
 from tests.support.gateway import ADMIN_KEY, REPO, GatewayProcess, free_port
 from tests.support.postgres import fresh_database
-from tests.support.vllm import PICK_COLOR_TOOL, load_tiny_tokenizer
-from trainer_bridge import deliveries
+from tests.support.vllm import PICK_COLOR_TOOL, TINY_MODEL_NAME, load_tiny_tokenizer
+from trainer_bridge.checkpoints import untie_embeddings
+from trainer_bridge.config import match_arg
 
 HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 
@@ -35,40 +37,31 @@ def viewer_dsn():
     drop()
 
 
-class StandInRunnerMetrics:
-    """STAND-IN for `rolltap rollouts --metrics-port` (the runner's own /metrics): its pool
-    series under the runner's names, served by prometheus_client, moved by the test's run."""
+class LiveRunPorts:
+    """Where the live run's runner (`rolltap rollouts --metrics-port`) and bridge (`rolltap
+    bridge --metrics-port`) serve their /metrics: the gateway is told at its start (its
+    --run-metrics), before they run."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.waiting = Gauge("rolltap_runner_pool_waiting", "phases queued for a slot", ["pool"],
-                             registry=self.registry)
-        self.waited = Counter("rolltap_runner_pool_queue_wait_seconds",
-                              "time phases queued for a slot", ["pool"], registry=self.registry)
-        self.port = free_port()
-        self.server, self.thread = start_http_server(self.port, "127.0.0.1", self.registry)
-        self.url = f"http://127.0.0.1:{self.port}/metrics"
+        self.runner, self.bridge = free_port(), free_port()
 
-    def group_done(self, k: int) -> None:
-        self.waiting.labels("verify").set(k % 3)
-        self.waited.labels("verify").inc(0.5 * (k % 4))
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}/metrics" for port in (self.runner, self.bridge)]
 
 
 @pytest.fixture(scope="module")
-def runner_metrics():
-    m = StandInRunnerMetrics()
-    yield m
-    m.server.shutdown()
-    m.server.server_close()
+def live_ports():
+    return LiveRunPorts()
 
 
 @pytest.fixture(scope="module")
-def viewer_gateway(vllm_server, viewer_dsn, runner_metrics, tmp_path_factory):
+def viewer_gateway(vllm_server, viewer_dsn, live_ports, tmp_path_factory):
     dsn = viewer_dsn
     # The conversations offer a strict tool, which makes their calls constrained: trained (and
     # stamped with the policy version) only under --train-constrained.
+    runs = [arg for url in live_ports.urls() for arg in ("--run-metrics", url)]
     gw = GatewayProcess([vllm_server.url], dsn, "--tokenizer", str(vllm_server.model_dir),
-                        "--train-constrained", "--run-metrics", runner_metrics.url,
+                        "--train-constrained", *runs,
                         log_path=tmp_path_factory.mktemp("viewer") / "gateway.log").start()
     yield gw
     gw.stop()
@@ -265,68 +258,103 @@ def test_list_pages_without_repeats_and_filters_by_reward(viewer_gateway, record
         assert r.status_code == 400 and r.json()["error"]["message"], bad
 
 
-async def _book_as_trained(dsn: str, run_id: str, group_id: str, step: int) -> None:
-    """STAND-IN for a trainer (no model trains): one group goes through the bridge's own
-    delivery log (trainer_bridge/deliveries.py) as if optimizer step `step` trained it, which
-    gives its rollouts a ledger and a consumption time, as a bridge would."""
-    conn = await asyncpg.connect(dsn)
-    try:
-        await init_connection(conn)
-        owner = f"stand-in-trainer-{run_id}"
-        rows = await deliveries.claim_group(conn, owner, group_id, {"run_id": run_id}, 60)
-        assert rows, f"group {group_id} was not deliverable"
-        ids = [r.id for r in rows]
-        await deliveries.release_group(conn, owner, dict.fromkeys(ids, 1.0), [], [])
-        traces = await deliveries.undelivered_traces(conn, ids)
-        await deliveries.acknowledge(conn, owner, step, [
-            deliveries.Entry(rid, idx, "trained", int(t.loss_mask.sum()), 0)
-            for rid, found in traces.items() for idx, t in found])
-    finally:
-        await conn.close()
-
-
 class LiveRun:
-    """A run going on while the page is open: groups of two rollouts on two tasks, one call to
-    the tiny vLLM each, rewards that differ, the policy version moved after each group, and each
-    group taken by a stand-in trainer once the next one has ended."""
+    """A run going on while the page is open, as a user runs one, beside the viewer's gateway:
+    its own tiny vLLM (untied, which the bridge's disk sync needs on the CPU) behind its own
+    gateway on the viewer's database; `rolltap rollouts` plays two tasks in groups of 4 (the
+    code-writer agent in sandboxes) and `rolltap bridge` trains on them and pushes the weights
+    back, each serving its /metrics where the viewer's gateway reads them. The reward is the
+    learning experiment's positive control (the reply's length near a target), which the tiny
+    model's replies spread over, so groups train."""
 
-    def __init__(self, gw, dsn: str, model: str, metrics: StandInRunnerMetrics) -> None:
-        self.gw, self.dsn, self.model, self.metrics = gw, dsn, model, metrics
+    def __init__(self, dsn: str, tiny_model_dir: Path, ports: LiveRunPorts,
+                 workdir: Path) -> None:
+        self.dsn, self.ports, self.workdir = dsn, ports, workdir
+        self.model = untie_embeddings(tiny_model_dir, workdir / "untied")
         self.run_id = f"live-{uuid.uuid4().hex[:8]}"
-        self.rollouts: list[str] = []
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._produce, daemon=True)
+        tasks = [length_variant(t, 300) for t in generate(0, "live", ["divisible"], 2)]
+        self.task_ids = [t["id"] for t in tasks]
+        self.tasks_file = write_tasks(workdir / "tasks.jsonl", tasks)
+        self.state = workdir / "state.jsonl"
+        self.env = {**os.environ, "ROLLTAP_ADMIN_KEY": ADMIN_KEY}
+        self.logs: dict[str, Path] = {}
+        self.procs: dict[str, subprocess.Popen] = {}
 
-    def _produce(self) -> None:
-        try:
-            for k in range(10_000):
-                if self.stop.is_set():
-                    return
-                for member in range(2):
-                    r = self.gw.new_rollout(task_id=f"live-task-{k % 2}",
-                                            group_id=f"{self.run_id}-{k}",
-                                            metadata={"run_id": self.run_id})
-                    _chat(r, self.model, [{"role": "user", "content": f"Count to {k + member}."}])
-                    assert self.gw.finish(r["rollout_id"], (k + member) % 3 / 2).status_code == 200
-                    self.rollouts.append(r["rollout_id"])
-                version = self.gw.admin.get("/admin/policy").json()["version"]
-                assert self.gw.admin.post("/admin/policy",
-                                          json={"version": version + 1}).status_code == 200
-                self.metrics.group_done(k)
-                if k:
-                    asyncio.run(_book_as_trained(self.dsn, self.run_id, f"{self.run_id}-{k - 1}",
-                                                 k))
-        except BaseException as exc:  # noqa: BLE001 - the test reports it
-            self.error = exc
+    def _commands(self, vllm_url: str, gateway_url: str) -> dict[str, list[str]]:
+        return {
+            "bridge": [sys.executable, "-m", "trainer_bridge.cli", "bridge",
+                       "--model", str(self.model), "--gateway", gateway_url, "--vllm", vllm_url,
+                       "--admin-key", ADMIN_KEY, "--database-url", self.dsn,
+                       "--num-generations", "4", "--max-steps", "1000", "--token-budget", "4096",
+                       "--weight-sync", "disk", "--threads", "1",
+                       "--match", match_arg("run_id", self.run_id),
+                       "--output-dir", str(self.workdir / "bridge"),
+                       "--metrics-port", str(self.ports.bridge)],
+            "runner": [*rollouts_command(
+                self.tasks_file,
+                ["--harness", "python", "--agent", "sandbox.agents.code_writer:run"],
+                gateway=gateway_url, model=TINY_MODEL_NAME, run_id=self.run_id,
+                state=self.state, group_size=4, concurrency=2, repeat=100),
+                "--metrics-port", str(self.ports.runner)],
+        }
 
     def __enter__(self) -> LiveRun:
-        self.thread.start()
+        self.vllm = start_vllm(self.model, free_port(), served_model_name=TINY_MODEL_NAME,
+                               max_model_len=4096, kv_cache_gib=1,
+                               log_path=self.workdir / "vllm.log")
+        self.gateway = None
+        try:
+            self.vllm.wait_ready(300)
+            self.gateway = GatewayProcess([self.vllm.url], self.dsn,
+                                          log_path=self.workdir / "gateway.log").start()
+            for name, command in self._commands(self.vllm.url, self.gateway.url).items():
+                self.logs[name] = self.workdir / f"{name}.log"
+                with self.logs[name].open("w") as log:
+                    self.procs[name] = subprocess.Popen(command, cwd=REPO, env=self.env,
+                                                        stdout=log, stderr=subprocess.STDOUT)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
+    def check(self) -> None:
+        """Both still running (a JavaScript wait would otherwise hide a crash until timeout)."""
+        for name, proc in self.procs.items():
+            assert proc.poll() is None, f"{name} ended:\n{self.logs[name].read_text()[-3000:]}"
+
+    def rollout_ids(self) -> list[str]:
+        """The rollouts the runner has finished so far (its state file)."""
+        return [r.rollout_id for r in finished(self.state)]
+
     def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join(300)
+        # The bridge stops at the end of a step (its push done), the runner ends its sandboxes.
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        stuck = []
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(240)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                stuck.append(name)
+        if self.gateway is not None:
+            self.gateway.stop()
+        self.vllm.stop()
+        if stuck:
+            pytest.fail(f"{stuck} did not stop on SIGTERM; see {self.workdir}")
+
+
+def _wait_running(drv, run: LiveRun, script: str, timeout: float):
+    """`_wait` for `script`, failing at once with its log if the runner or the bridge ends."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def ready(d):
+        run.check()
+        return d.execute_script(script)
+
+    return WebDriverWait(drv, timeout, poll_frequency=1).until(ready)
 
 
 def _points(drv, chart: str) -> int:
@@ -334,43 +362,46 @@ def _points(drv, chart: str) -> int:
         "const c = document.getElementById(arguments[0]); return c ? +c.dataset.points : -1", chart)
 
 
-def test_run_page_draws_a_live_run(browser, viewer_gateway, viewer_dsn, runner_metrics,
-                                   vllm_server, tmp_path):
+@pytest.mark.slow  # its own engine, gateway, runner and bridge: minutes (make test-slow)
+def test_run_page_draws_a_live_run(browser, viewer_gateway, viewer_dsn, live_ports,
+                                   tiny_model_dir, tmp_path):
     from selenium.webdriver.common.by import By
 
     gw = viewer_gateway
     _login(browser, gw.url, ADMIN_KEY)
     _wait(browser, "return document.body.dataset.ready")
-    with LiveRun(gw, viewer_dsn, vllm_server.model, runner_metrics) as run:
+    with LiveRun(viewer_dsn, tiny_model_dir, live_ports, tmp_path) as run:
         # The run shows up in the page's run picker once it has a rollout.
         browser.find_element(By.ID, "run-link").click()
         _wait(browser, "return document.getElementById('run-select')")
-        _wait(browser, f"return [...document.querySelectorAll('#run-select option')]"
-                       f".some(o => o.value === '{run.run_id}')", timeout=300)
+        _wait_running(browser, run, f"return [...document.querySelectorAll('#run-select option')]"
+                                    f".some(o => o.value === '{run.run_id}')", timeout=300)
         browser.execute_script(f"location.hash = '#/run?run={run.run_id}'")
         charts = ("chart-reward", "chart-tokens", "chart-staleness", "chart-policy",
-                  "chart-pool-queued", "chart-pool-wait")
-        _wait(browser, "return " + " && ".join(
+                  "chart-pool-queued", "chart-pool-wait", "chart-idle")
+        _wait_running(browser, run, "return " + " && ".join(
             f"+(document.getElementById('{c}') || {{dataset: {{}}}}).dataset.points > 0"
-            for c in charts), timeout=300)
+            for c in charts), timeout=420)
         before = {c: _points(browser, c) for c in charts}
         # New points arrive by polling, with no reload: the page's own state survives.
         browser.execute_script("window.__same_page = 1")
-        _wait(browser, "return " + " && ".join(
+        _wait_running(browser, run, "return " + " && ".join(
             f"+document.getElementById('{c}').dataset.points > {before[c]}" for c in charts),
-              timeout=600)
+                      timeout=600)
         assert browser.execute_script("return window.__same_page") == 1
-        assert run.error is None, run.error
-    assert run.error is None, run.error
+        # The idle curve is the bridge's own series, a fraction.
+        metrics = gw.admin.get("/ui/api/run", params={"run": run.run_id}).json()["metrics"]
+        idle = metrics["rolltap_trainer_idle_fraction"]
+        assert idle and all(0 <= v <= 1 for _, v in idle), idle
+        rollouts = run.rollout_ids()
     tasks = browser.find_element(By.ID, "task-rewards").text
-    assert "live-task-0" in tasks and "live-task-1" in tasks
-    totals = browser.find_element(By.ID, "token-totals").text
-    assert "trained" in totals and "awaiting trainer" in totals  # taken, and not yet taken
+    assert all(task in tasks for task in run.task_ids), tasks
+    assert "trained" in browser.find_element(By.ID, "token-totals").text
     browser.save_screenshot(str(tmp_path / "run.png"))
     assert (tmp_path / "run.png").stat().st_size > 10_000
 
     # The rollout page shows the merge's dicts as tables, not JSON text.
-    browser.get(f"{gw.url}/ui#/rollout/{run.rollouts[0]}")
+    browser.get(f"{gw.url}/ui#/rollout/{rollouts[0]}")
     _wait(browser, "return document.querySelector('#merge-stats table.dict')")
     causes = browser.find_elements(
         By.CSS_SELECTOR, "#merge-stats dd[data-key='excluded_by_cause'] table.dict tr[data-key]")
