@@ -1,6 +1,6 @@
 """Per-token policy versions reach the trainer lined up with TRL's loss terms, and the
 sampler/trainer agreement is also taken over the tokens the trainer's current weights sampled
-(trainer_bridge/trainer.py: `VersionCollator`, `_Agreement`)."""
+(trainer_bridge/collators.py: `VersionCollator`; trainer_bridge/trainer.py: `Agreement`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout
 from trl.experimental.async_grpo.packing import TreeRow
 
-from trainer_bridge.trainer import VersionCollator, _Agreement
+from trainer_bridge.collators import VersionCollator
+from trainer_bridge.trainer import Agreement
 from trainer_bridge.worker import VERSIONS_KEY
 
 
@@ -83,7 +84,7 @@ def test_agreement_over_the_current_versions_tokens_leaves_the_stale_ones_out():
     recorded = torch.tensor([-1.0, -2.1, -1.0, -4.0])  # the stale third token: gap e^2
     versions = torch.tensor([3, 3, 1, 3])
     metrics: defaultdict[str, list] = defaultdict(list)
-    model = _Agreement(lambda **_: SimpleNamespace(log_probs=trainer_lp.clone()),
+    model = Agreement(lambda **_: SimpleNamespace(log_probs=trainer_lp.clone()),
                        torch.arange(4), recorded, metrics, versions, current=3)
     model()
     (total, count), = metrics["agreement/exp_abs_dlogp"]
@@ -98,7 +99,7 @@ def test_agreement_over_the_current_versions_tokens_leaves_the_stale_ones_out():
 
 def test_agreement_with_no_token_of_the_current_version_says_so_by_its_share():
     metrics: defaultdict[str, list] = defaultdict(list)
-    _Agreement(lambda **_: SimpleNamespace(log_probs=torch.zeros(2)), torch.arange(2),
+    Agreement(lambda **_: SimpleNamespace(log_probs=torch.zeros(2)), torch.arange(2),
                torch.zeros(2), metrics, torch.tensor([1, 1]), current=2)()
     assert metrics["agreement/same_version_frac"] == [(0, 2.0)]
     assert "agreement/same_version_exp_abs_dlogp" not in metrics

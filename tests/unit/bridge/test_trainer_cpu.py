@@ -20,9 +20,10 @@ from trl.experimental.async_grpo.packing import TreeRow
 from stack.tiny_model import VOCAB_SIZE, write_tiny_model
 from tests.support.sequences import Seq
 from trainer_bridge.advantages import group_advantages
+from trainer_bridge.collators import RolloutWeightCollator
 from trainer_bridge.config import BridgeConfig
 from trainer_bridge.samples import ROLLOUT_TOKENS_METRIC, rollout_samples
-from trainer_bridge.trainer import RolloutWeightCollator, make_trainer, tis_weights
+from trainer_bridge.trainer import make_trainer, tis_weights
 
 TOKEN_BUDGET = 256
 # The tiny model starts near uniform, so a sampled token's log-probability is about -log(V).
