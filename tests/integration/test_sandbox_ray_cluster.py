@@ -38,11 +38,13 @@ def cluster(tmp_path_factory):
                              init_options={"log_to_driver": False})
         deadline = time.monotonic() + 180
         while len([n for n in ray.nodes() if n["Alive"]]) < 2:
-            assert time.monotonic() < deadline, f"the worker node never joined: see {root}"
+            assert time.monotonic() < deadline, f"the worker node never joined:\n{c.logs()}"
             time.sleep(0.2)
         yield c, backend
-        backend.close()
     finally:
+        # Leave the cluster before stopping it, whatever failed: a driver still connected to a
+        # stopped cluster ends its whole process (pytest) with exit 1 once Ray gives up on it.
+        ray.shutdown()
         c.stop()
 
 

@@ -3,8 +3,9 @@ process group of its own with its own custom resources, so a test can force plac
 node and kill one node (its whole process group) mid-run.
 
 Kept small for a shared 2-core machine: one CPU and an 80 MB object store per node, no
-dashboard, free ports only, a temp dir of its own; the head declares a node dead after ~3 s
-without heartbeats instead of Ray's default ~30 s."""
+dashboard, free ports only, a temp dir of its own; the head declares a killed node dead in
+~5 s instead of Ray's default ~30 s, yet gives a live node that is slow to answer (a loaded
+machine) 5 s per probe."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ from pathlib import Path
 from tests.support.processes import alive_with
 
 OBJECT_STORE_BYTES = 80 * 1024 * 1024  # Ray's floor is 75 MB
-# The GCS probes each raylet: every 500 ms, dead after 6 misses.
-FAST_DEATH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
-              "RAY_health_check_failure_threshold": "6", "RAY_health_check_initial_delay_ms": "0"}
+# The GCS probes each raylet every second, dead after 5 failed probes. A killed raylet fails
+# each probe at once; a short answer limit can declare a live node dead on a loaded machine.
+FAST_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "5000",
+              "RAY_health_check_failure_threshold": "5", "RAY_health_check_initial_delay_ms": "0"}
+LOG_TAIL_BYTES = 3000
 
 # A cluster on loopback, for one test: no token authentication. Left unset, Ray turns it on
 # when ~/.ray/auth_token exists (any local `ray.init()` writes one), and a driver whose Ray
@@ -108,12 +111,22 @@ class RayCluster:
         deadline = time.monotonic() + timeout_s
         while not _listening(self.gcs_port):
             if time.monotonic() > deadline or self.nodes[0].proc.poll() is not None:
+                logs = self.logs()
                 self.stop()
-                raise RuntimeError(f"the Ray head did not start: see {self.root}/head.log")
+                raise RuntimeError(f"the Ray head did not start:\n{logs}")
             time.sleep(0.2)
         for k, resources in enumerate(workers):
             self._start(f"worker{k}", resources, f"--address={self.address}")
         return self
+
+    def logs(self) -> str:
+        """The end of each node's log, for a failure message (the temp dir is gone after CI)."""
+        tails = []
+        for node in self.nodes:
+            text = (self.root / f"{node.name}.log").read_bytes()[-LOG_TAIL_BYTES:]
+            tails.append(f"--- {node.name} (exit {node.proc.poll()}) ---\n"
+                         + text.decode(errors="replace"))
+        return "\n".join(tails)
 
     def stop(self) -> None:
         for node in reversed(self.nodes):
