@@ -16,7 +16,7 @@ from sandbox.backends.ray import RayBackend  # noqa: E402
 from sandbox.presets import Harness  # noqa: E402
 from sandbox.runner import run_rollouts  # noqa: E402
 from tests.support.examples import SOLUTIONS, TASKS, writer  # noqa: E402
-from tests.support.processes import alive_with  # noqa: E402
+from tests.support.processes import alive_with, describe  # noqa: E402
 from tests.support.stand_in_admin import ADMIN_KEY, task  # noqa: E402
 
 ACCESS = RolloutAccess("r", "rk-ray", "http://127.0.0.1:9/v1", "http://127.0.0.1:9")
@@ -63,7 +63,7 @@ async def test_cancel_kills_the_sandbox(backend, tmp_path):
         if not alive_with(marker):
             break
         await asyncio.sleep(0.05)
-    assert alive_with(marker) == []
+    assert alive_with(marker) == [], describe(alive_with(marker))
 
 
 async def test_runner_over_ray(backend, admin_api, harness):

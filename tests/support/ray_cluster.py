@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.support.processes import alive_with
+from tests.support.processes import alive_with, ancestors
 
 OBJECT_STORE_BYTES = 80 * 1024 * 1024  # Ray's floor is 75 MB
 # The GCS probes each raylet every second, dead after 5 failed probes. A killed raylet fails
@@ -46,19 +46,6 @@ def _listening(port: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def ancestors(pid: int) -> list[int]:
-    """`pid`'s parents up to init, read from /proc (empty once it is gone)."""
-    chain = []
-    while pid > 1:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            break
-        pid = int(stat[stat.rindex(")") + 2:].split()[1])
-        chain.append(pid)
-    return chain
 
 
 class RayNode:
