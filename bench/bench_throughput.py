@@ -1,5 +1,5 @@
 """Throughput under a long tail (issue #42): a real `rolltap bridge` training the tiny model on
-rollouts of a scripted multi-call agent whose engine answers each call after a lognormal delay
+rollouts of a scripted two-call agent whose engine answers each call after a lognormal delay
 (median LATENCY_MEDIAN_S, sigma 1: the 99th percentile about 10x the median), with slow
 verifiers too, G = 8 and at least 64 rollouts at once. Two runs side by side, the same seed:
 
@@ -10,6 +10,15 @@ verifiers too, G = 8 and at least 64 rollouts at once. Two runs side by side, th
 
 Both keep a tight --max-backlog (the agent slots plus one group, in the members each starts per
 group): the freshness a run wants, and where members that ended wait for their group's slowest.
+
+The trainer is sized to the fleet, as a real one is: TRAINER_LAYERS deepens the tiny model and
+COMPLETION_TOKENS lengthens each sample so that training a sample costs about what the plain
+setup's rollouts leave the trainer time for (about half a second of one core: a trainer about
+half busy). The 2-layer tiny model on 16-token replies trains a sample in milliseconds; with it
+the trainer idles whatever the runner does (95 % in both setups, measured), and a fleet whose
+trainer never waits for it has no throughput to gain. The engine's latency is long enough that
+the runner's own CPU (an agent and a verifier process per rollout on two cores) is not what
+bounds a setup: at a 2 s median it was, and oversampling gained nothing.
 
 For each: samples trained per minute (the bridge's trained samples over its wall time), the
 trainer's idle fraction (blocked waiting for samples), staleness (policy versions between
@@ -52,23 +61,24 @@ from trainer_bridge.config import match_arg
 REPO = Path(__file__).resolve().parents[1]
 GROUP = 8
 AGENT_SLOTS = 64  # rollouts talking to the engine at once, in both runs
-OVERSAMPLE = 2
-STEPS = int(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_STEPS", "8"))
-LATENCY_MEDIAN_S = float(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_LATENCY", "2.0"))
+OVERSAMPLE = 3
+STEPS = int(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_STEPS", "12"))
+LATENCY_MEDIAN_S = float(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_LATENCY", "8.0"))
+TRAINER_LAYERS = int(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_LAYERS", "40"))
 LATENCY_SIGMA = 1.0
 # Tokens each call samples: the trainer's work per sample (the stand-in's cost is the same).
-COMPLETION_TOKENS = int(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_COMPLETION", "16"))
+COMPLETION_TOKENS = int(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_COMPLETION", "128"))
 TASKS = 16
 VOCAB = 2048  # the tiny model's
 
-# Three calls, each carrying the conversation so far; passes (writes out.txt) half the time.
+# Two calls, the second carrying the first; passes (writes out.txt) half the time.
 AGENT = f'''COMPLETION_TOKENS = {COMPLETION_TOKENS}
 ''' + '''
 import json, pathlib, random, urllib.request
 
 def agent(*, prompt, base_url, api_key, model, workdir):
     messages = [{"role": "user", "content": prompt}]
-    for turn in range(3):
+    for turn in range(2):
         body = json.dumps({"model": model, "messages": messages,
                            "max_tokens": COMPLETION_TOKENS}).encode()
         req = urllib.request.Request(base_url + "/chat/completions", data=body, headers={
@@ -207,14 +217,15 @@ def run(print_fn=print) -> list[dict]:
     engine = standin.start(port, argv=[
         "-m", "bench.standin", "--port", str(port), "--prompt-tokens", "64",
         "--completion-tokens", str(COMPLETION_TOKENS), "--template", "--vocab", str(VOCAB),
-        "--latency-median", str(LATENCY_MEDIAN_S), "--latency-sigma", str(LATENCY_SIGMA)])
+        "--latency-median", str(LATENCY_MEDIAN_S), "--latency-sigma", str(LATENCY_SIGMA),
+        "--vary"])
     gateway = None
     rows: list[dict] = []
     try:
         with tempfile.TemporaryDirectory(prefix="rolltap-bench-throughput-") as tmp:
             work = Path(tmp)
             gateway = Gateway(engine_url, dsn, work / "gateway.log").start()
-            model = write_tiny_model(work / "tiny", seed=0, tied=False)
+            model = write_tiny_model(work / "tiny", seed=0, tied=False, layers=TRAINER_LAYERS)
             agents = work / "agents"
             agents.mkdir()
             (agents / "bench_agent.py").write_text(AGENT)
@@ -223,7 +234,7 @@ def run(print_fn=print) -> list[dict]:
             print_fn(f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; G={GROUP}, "
                      f"{AGENT_SLOTS} agent slots, {STEPS} steps per setup, engine latency "
                      f"lognormal (median {LATENCY_MEDIAN_S} s, sigma {LATENCY_SIGMA}), "
-                     f"{COMPLETION_TOKENS} tokens a call")
+                     f"{COMPLETION_TOKENS} tokens a call, a {TRAINER_LAYERS}-layer trainer")
             for setup in SETUPS:
                 rows.append(_measure(setup, model, engine_url, gateway.url, dsn, harness, work,
                                      print_fn))

@@ -126,7 +126,11 @@ class Synthetic(Replies):
 
     With `template` (prompt_tokens is then ignored) the prompt is the request's messages
     rendered by the stand-in's template (bench/standin_template.py), which also serves vLLM's
-    render endpoint: a conversation that grows turn by turn can be continued exactly."""
+    render endpoint: a conversation that grows turn by turn can be continued exactly.
+
+    With `vary` each call's reply starts at a random token of the recorded one, so replies
+    differ as sampled ones do: a trainer that packs shared prefixes once then has each
+    sample's own tokens to train, not one reply shared by the whole group."""
 
     def __init__(
         self,
@@ -135,25 +139,20 @@ class Synthetic(Replies):
         fresh_tokens: int = 64,
         data_dir=DATA,
         template: bool = False,
+        vary: bool = False,
     ) -> None:
         super().__init__(data_dir)
         self._template = template
-        n = completion_tokens
         rng = random.Random(prompt_tokens)
         self._fixed = [rng.randrange(2048) for _ in range(prompt_tokens - fresh_tokens)]
         self._fresh = fresh_tokens
         self._rng = rng
-        self._completion_tokens = n
+        self._completion_tokens = completion_tokens
         whole = msgspec.json.decode((data_dir / WHOLE.name).read_bytes())
-        choice = whole["choices"][0]
-        # The recorded reply over again past its length, as a stream's chunks are.
-        recorded, ids = choice["logprobs"]["content"], choice["token_ids"]
-        content = [recorded[i % len(recorded)] for i in range(n)]
-        choice["logprobs"]["content"] = content
-        choice["token_ids"] = [ids[i % len(ids)] for i in range(n)]
-        choice["message"]["content"] = "".join(e["token"] for e in content)
         whole.pop("prompt_token_ids")
         self._whole = whole
+        recorded = whole["choices"][0]["token_ids"]
+        self._starts = len(recorded) if vary else 1
         events = [
             msgspec.json.decode(ln)
             for ln in (data_dir / STREAM.name).read_bytes().splitlines()
@@ -164,15 +163,28 @@ class Synthetic(Replies):
         self._first = first
         self._tokens = events[1:-1]
         self._frames: dict[tuple, list[bytes]] = {}
-        self._wholes: dict[tuple, dict] = {}
+        self._wholes: dict[tuple, dict] = {}  # by shape and start: at most 4 x 64 of them
         self._usage = usage
         self._tail = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 
-    def _token_frames(self, n: int, flags: _Flags) -> list[bytes]:
-        key = (n, flags.return_token_ids, flags.return_tokens_as_token_ids)
+    def _reply(self, start: int) -> dict:
+        """The recorded reply from token `start` on, over again past its length (as a stream's
+        chunks are), `completion_tokens` long."""
+        whole = msgspec.json.decode(msgspec.json.encode(self._whole))
+        choice, n = whole["choices"][0], self._completion_tokens
+        recorded, ids = choice["logprobs"]["content"], choice["token_ids"]
+        content = [recorded[(start + i) % len(recorded)] for i in range(n)]
+        choice["logprobs"]["content"] = content
+        choice["token_ids"] = [ids[(start + i) % len(ids)] for i in range(n)]
+        choice["message"]["content"] = "".join(e["token"] for e in content)
+        return whole
+
+    def _token_frames(self, n: int, flags: _Flags, start: int) -> list[bytes]:
+        key = (n, flags.return_token_ids, flags.return_tokens_as_token_ids, start)
         frames = self._frames.get(key)
         if frames is None:
-            events = [_as_asked(self._tokens[i % len(self._tokens)], flags) for i in range(n)]
+            tokens = self._tokens
+            events = [_as_asked(tokens[(start + i) % len(tokens)], flags) for i in range(n)]
             events[-1]["choices"][0]["finish_reason"] = "length"
             frames = [_chunk(b"data: " + msgspec.json.encode(e) + b"\n\n") for e in events]
             self._frames[key] = frames
@@ -201,16 +213,18 @@ class Synthetic(Replies):
         sampled = (flags.stream and flags.max_tokens) or self._completion_tokens
         usage = {"prompt_tokens": n, "total_tokens": n + sampled, "completion_tokens": sampled}
         echo = prompt if flags.return_token_ids else None
+        start = self._rng.randrange(self._starts) if self._starts > 1 else 0
         if not flags.stream:
-            shape = (flags.return_token_ids, flags.return_tokens_as_token_ids)
+            shape = (flags.return_token_ids, flags.return_tokens_as_token_ids, start)
             whole = self._wholes.get(shape) or self._wholes.setdefault(
-                shape, _as_asked(self._whole, flags)
+                shape, _as_asked(self._reply(start), flags)
             )
             body = _with_prompt(whole | {"usage": usage}, echo)
             return [_http("200 OK", b"application/json", body)]
         first = _chunk(b"data: " + _with_prompt(self._first, echo) + b"\n\n")
         last = _chunk(b"data: " + msgspec.json.encode(self._usage | {"usage": usage}) + b"\n\n")
-        return [self.stream_head, first, *self._token_frames(sampled, flags), last, self._tail]
+        return [self.stream_head, first, *self._token_frames(sampled, flags, start), last,
+                self._tail]
 
 
 def _with_prompt(obj: dict, prompt: bytes | None) -> bytes:
@@ -393,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the delay's log-space spread (1.0: the 99th percentile is about "
                         "10x the median)")
     parser.add_argument("--vocab", type=int, help="with --template: keep rendered ids below this")
+    parser.add_argument("--vary", action="store_true",
+                        help="with --prompt-tokens: start each reply at a random token of the "
+                        "recorded one, so replies differ as sampled ones do")
     args = parser.parse_args(argv)
     if args.record:
         from bench.standin_record import record
@@ -408,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.completion_tokens,
                 data_dir=args.data_dir,
                 template=args.template,
+                vary=args.vary,
             )
             if args.prompt_tokens
             else Replies(args.data_dir)

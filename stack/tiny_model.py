@@ -299,19 +299,20 @@ def build_tokenizer():
     return tokenizer
 
 
-def model_config(eos_id: int, pad_id: int, tied: bool = False) -> dict:
+def model_config(eos_id: int, pad_id: int, tied: bool = False,
+                 layers: int = NUM_LAYERS) -> dict:
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
         "hidden_size": HIDDEN_SIZE,
         "intermediate_size": INTERMEDIATE_SIZE,
-        "num_hidden_layers": NUM_LAYERS,
+        "num_hidden_layers": layers,
         "num_attention_heads": NUM_HEADS,
         "num_key_value_heads": NUM_KV_HEADS,
         "head_dim": HEAD_DIM,
         "hidden_act": "silu",
         "max_position_embeddings": MAX_POSITIONS,
-        "max_window_layers": NUM_LAYERS,
+        "max_window_layers": layers,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
         "sliding_window": None,
@@ -328,7 +329,7 @@ def model_config(eos_id: int, pad_id: int, tied: bool = False) -> dict:
     }
 
 
-def init_weights(seed: int) -> dict:
+def init_weights(seed: int, layers: int = NUM_LAYERS) -> dict:
     """Qwen2 parameters (lm_head tied to the embedding), drawn in a fixed order from `seed`."""
     import numpy as np
 
@@ -342,7 +343,7 @@ def init_weights(seed: int) -> dict:
 
     q_dim, kv_dim = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
     weights = {"model.embed_tokens.weight": normal(VOCAB_SIZE, HIDDEN_SIZE)}
-    for i in range(NUM_LAYERS):
+    for i in range(layers):
         p = f"model.layers.{i}."
         weights |= {
             p + "input_layernorm.weight": ones(HIDDEN_SIZE),
@@ -393,8 +394,12 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_tiny_model(out_dir: Path, seed: int = 0, tied: bool = False) -> Path:
+def write_tiny_model(out_dir: Path, seed: int = 0, tied: bool = False,
+                     layers: int = NUM_LAYERS) -> Path:
     """Write config, generation config, weights and tokenizer files to `out_dir`; return it.
+
+    `layers`: more of them make a trainer step dearer and change nothing else (a benchmark
+    sizes its trainer with it).
 
     Untied by default: the LM head is a weight of its own starting equal to the embeddings
     (the same function), because vLLM's CPU build does not refresh a tied head on an in-place
@@ -405,12 +410,12 @@ def write_tiny_model(out_dir: Path, seed: int = 0, tied: bool = False) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     eos_id, pad_id = tokenizer.token_to_id(IM_END), tokenizer.token_to_id(ENDOFTEXT)
-    _write_json(out_dir / "config.json", model_config(eos_id, pad_id, tied))
+    _write_json(out_dir / "config.json", model_config(eos_id, pad_id, tied, layers))
     _write_json(
         out_dir / "generation_config.json",
         {"eos_token_id": [eos_id, pad_id], "pad_token_id": pad_id, "bos_token_id": None},
     )
-    weights = init_weights(seed)
+    weights = init_weights(seed, layers)
     if not tied:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"].copy()
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

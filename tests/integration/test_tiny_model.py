@@ -66,6 +66,20 @@ def test_another_seed_changes_the_weights_and_nothing_else(tmp_path):
     assert not np.allclose(wa["model.embed_tokens.weight"], wb["model.embed_tokens.weight"])
 
 
+def test_a_deeper_model_has_its_layers_and_the_same_first_ones(tmp_path):
+    """`layers` (the throughput benchmark's trainer size) adds layers and changes nothing of
+    what comes before them."""
+    base = tiny_model.write_tiny_model(tmp_path / "base", seed=0)
+    deep = tiny_model.write_tiny_model(tmp_path / "deep", seed=0, layers=5)
+    config = json.loads((deep / "config.json").read_text())
+    assert config["num_hidden_layers"] == config["max_window_layers"] == 5
+    wb, wd = load_file(str(base / "model.safetensors")), load_file(str(deep / "model.safetensors"))
+    assert {k.split(".")[2] for k in wd if k.startswith("model.layers.")} == set("01234")
+    assert np.array_equal(wb["model.embed_tokens.weight"], wd["model.embed_tokens.weight"])
+    assert np.array_equal(wb["model.layers.0.mlp.up_proj.weight"],
+                          wd["model.layers.0.mlp.up_proj.weight"])
+
+
 def test_model_matches_its_spec_and_does_not_stop_at_once(tiny_model_dir, tiny_tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
