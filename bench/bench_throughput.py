@@ -62,9 +62,10 @@ REPO = Path(__file__).resolve().parents[1]
 GROUP = 8
 AGENT_SLOTS = 64  # rollouts talking to the engine at once, in both runs
 OVERSAMPLE = 3
-STEPS = int(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_STEPS", "12"))
+STEPS = int(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_STEPS", "8"))
+GROUPS_PER_STEP = 4
 LATENCY_MEDIAN_S = float(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_LATENCY", "8.0"))
-TRAINER_LAYERS = int(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_LAYERS", "40"))
+TRAINER_LAYERS = int(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_LAYERS", "80"))
 LATENCY_SIGMA = 1.0
 # Tokens each call samples: the trainer's work per sample (the stand-in's cost is the same).
 COMPLETION_TOKENS = int(os.environ.get("ROLLTAP_BENCH_THROUGHPUT_COMPLETION", "128"))
@@ -135,8 +136,11 @@ def _bridge(model: Path, engine: str, gateway: str, dsn: str, run_id: str,
         sys.executable, "-m", "trainer_bridge.cli", "bridge", "--model", str(model),
         "--vllm", engine, "--gateway", gateway, "--admin-key", ADMIN_KEY, "--database-url", dsn,
         "--num-generations", str(GROUP), "--max-steps", str(STEPS), "--threads", "1",
-        "--token-budget", str(max(1024, 8 * COMPLETION_TOKENS)), "--queue-size", "32",
-        "--group-deadline", "120",
+        # A micro-batch of about a group's own tokens (its prompt packed once), a step of
+        # GROUPS_PER_STEP of them: a step trains about that many groups, as a real run's does.
+        "--token-budget", str(GROUP * (2 * COMPLETION_TOKENS + 64) + 512),
+        "--set", f"gradient_accumulation_steps={GROUPS_PER_STEP}",
+        "--queue-size", str(2 * GROUP * GROUPS_PER_STEP), "--group-deadline", "120",
         "--match", match_arg("run_id", run_id), "--output-dir", str(out),
         "--keep-checkpoints", "1",
     ]
