@@ -17,10 +17,10 @@ The trainer is sized to the fleet, as a real one is: TRAINER_LAYERS deepens the 
 COMPLETION_TOKENS lengthens each sample so that training a sample costs about what the plain
 setup's rollouts leave the trainer time for: 44 layers and 128-token replies took 0.35-0.46 s a
 sample on one core (a step of 44 samples in 15-20 s), the plain setup's trainer about half busy
-once its first groups are in. At 80 layers the trainer bounded both setups. The 2-layer tiny
-model on 16-token replies trains a sample in milliseconds: with it the trainer idled whatever
-the runner did (95 % in both setups, measured), and a fleet whose trainer never waits for it
-has no throughput to gain. The engine's latency is long enough that
+once its first groups are in. At 80 layers the plain setup's trainer was the bottleneck. The
+2-layer tiny model on 16-token replies trains a sample in milliseconds: with it the trainer
+idled whatever the runner did (95 % in both setups, measured), and a fleet whose trainer never
+waits for it has no throughput to gain. The engine's latency is long enough that
 the runner's own CPU (an agent and a verifier process per rollout on two cores) is not what
 bounds a setup: at a 2 s median it was, and oversampling gained nothing.
 
