@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
+from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
@@ -48,10 +50,34 @@ def ray_resource(spec: str) -> tuple[str, float]:
     return name.strip(), value
 
 
+async def _cancelled_once(run: Coroutine[Any, Any, SandboxResult]) -> SandboxResult:
+    """Awaits `run`, cancelling it at the first interrupt of the worker and ignoring the rest.
+
+    Ray cancels a running task by interrupting the worker's main thread, and repeats that while
+    the task still runs. asyncio.run's own handler cancels at the first interrupt but raises
+    KeyboardInterrupt at the next, which can land in the sandbox's clean-up (a stop that waits
+    for the sandbox to exit) and abort it, leaving the sandbox running on an idle worker."""
+    task, loop = asyncio.current_task(), asyncio.get_running_loop()
+    assert task is not None
+    interrupted = False
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        if not interrupted:
+            interrupted = True
+            loop.call_soon_threadsafe(task.cancel)
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        return await run
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_in_worker(request: SandboxRequest, local_options: dict[str, Any]) -> SandboxResult:
     import ray
 
-    result = asyncio.run(LocalBackend(**local_options).run(request))
+    result = asyncio.run(_cancelled_once(LocalBackend(**local_options).run(request)))
     node = ray.get_runtime_context().get_node_id()
     return msgspec.structs.replace(result, extra_metrics={**result.extra_metrics,
                                                           "ray_node": node})
